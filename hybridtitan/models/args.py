@@ -1,0 +1,140 @@
+"""Model arguments: sizes of the stack and of each sublayer kind, validated once, before anything is built."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .pattern import parse_pattern, pattern_from_ratio
+
+MIXERS = ("gdn", "kda", "mamba2")
+
+
+@dataclass
+class GDNArgs:
+    """Gated DeltaNet (FLA's GatedDeltaNet with num_heads, num_v_heads, head_dim, expand_v = head_v_dim / head_dim)."""
+
+    num_heads: int = 4  # query/key heads
+    num_v_heads: int = 8  # value heads (grouped: a multiple of num_heads)
+    head_dim: int = 64  # key dimension per head
+    head_v_dim: int = 64  # value dimension per head
+    conv_size: int = 4
+
+
+@dataclass
+class KDAArgs:
+    """Kimi Delta Attention: per-key-channel decay through a low-rank gate of rank head_v_dim (FLA's KDA)."""
+
+    num_heads: int = 8
+    head_dim: int = 32
+    head_v_dim: int = 64
+    conv_size: int = 4
+
+
+@dataclass
+class Mamba2Args:
+    """Mamba2 (SSD), computed with the simple-GLA chunk kernel."""
+
+    d_state: int = 64
+    head_dim: int = 64
+    n_groups: int = 8
+    expand: int = 2
+    conv_size: int = 4
+
+
+@dataclass
+class MLAArgs:
+    """DeepSeek-V2 multi-latent attention; q_lora_rank = 0 projects queries directly."""
+
+    num_heads: int = 16
+    q_lora_rank: int = 672
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 32
+    v_head_dim: int = 64
+    rope_theta: float = 500000.0
+    # YaRN: a scaling factor of 1 is plain RoPE
+    rope_scaling_factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int = 128256
+    dim: int = 1024
+    n_layers: int = 24  # sublayers: the length of the pattern
+    ffn_dim: int = 4096
+    pattern: str = ""  # empty: built from hybrid_attention_ratio
+    hybrid_attention_ratio: float = 0.0
+    mixer: str = "gdn"
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    gdn: GDNArgs = field(default_factory=GDNArgs)
+    kda: KDAArgs = field(default_factory=KDAArgs)
+    mamba2: Mamba2Args = field(default_factory=Mamba2Args)
+    mla: MLAArgs = field(default_factory=MLAArgs)
+
+    def __post_init__(self):
+        if not self.pattern:
+            self.pattern = pattern_from_ratio(self.n_layers, self.hybrid_attention_ratio)
+        self.validate()
+
+    @property
+    def kinds(self) -> list[str]:
+        return parse_pattern(self.pattern)
+
+    def validate(self) -> None:
+        kinds = parse_pattern(self.pattern)
+        if len(kinds) != self.n_layers:
+            raise ValueError(
+                f"model.pattern {self.pattern!r} has {len(kinds)} sublayers but model.n_layers is {self.n_layers}; "
+                "they must be equal (one symbol per sublayer)"
+            )
+        if "mixer" in kinds and self.mixer not in MIXERS:
+            raise ValueError(
+                f"model.mixer {self.mixer!r} is not a known mixer; the pattern has 'M' sublayers, so model.mixer "
+                f"must be one of: {', '.join(MIXERS)}"
+            )
+        for name in ("vocab_size", "dim", "n_layers", "ffn_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if "mixer" in kinds:
+            _check_positive(getattr(self, self.mixer), f"model.{self.mixer}")
+            if self.mixer == "gdn" and self.gdn.num_v_heads % self.gdn.num_heads:
+                raise ValueError(
+                    f"model.gdn.num_v_heads ({self.gdn.num_v_heads}) must be a multiple of model.gdn.num_heads "
+                    f"({self.gdn.num_heads})"
+                )
+            if self.mixer == "mamba2":
+                m = self.mamba2
+                if (self.dim * m.expand) % m.head_dim:
+                    raise ValueError(
+                        f"model.mamba2: dim * expand ({self.dim * m.expand}) must be a multiple of head_dim ({m.head_dim})"
+                    )
+                n_heads = self.dim * m.expand // m.head_dim
+                if n_heads % m.n_groups:
+                    raise ValueError(f"model.mamba2: {n_heads} heads do not split into n_groups={m.n_groups} groups")
+        if "attention" in kinds:
+            mla = self.mla
+            for name in ("num_heads", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(mla, name) <= 0:
+                    raise ValueError(f"model.mla.{name} must be positive, got {getattr(mla, name)}")
+            if mla.qk_nope_head_dim < 0 or mla.q_lora_rank < 0:
+                raise ValueError("model.mla.qk_nope_head_dim and model.mla.q_lora_rank must not be negative")
+            if mla.qk_rope_head_dim % 2:
+                raise ValueError(f"model.mla.qk_rope_head_dim must be even, got {mla.qk_rope_head_dim}")
+
+    def replace(self, **changes) -> "ModelArgs":
+        return dataclasses.replace(self, **changes)
+
+
+def _check_positive(args, prefix: str) -> None:
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        if isinstance(value, int) and value <= 0:
+            raise ValueError(f"{prefix}.{f.name} must be positive, got {value}")

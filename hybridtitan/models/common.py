@@ -1,0 +1,90 @@
+"""Small building blocks shared by the sublayers: RMSNorm, the gated output norm, the short convolution, SwiGLU."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from hybridtitan import ops
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head output norm of the mixers, gated by a projection of the input (FLA's FusedRMSNormGated)."""
+
+    def __init__(self, dim: int, eps: float, activation: str = "swish", norm_before_gate: bool = True,
+                 group_size: int | None = None):
+        super().__init__()
+        self.eps, self.activation = eps, activation
+        self.norm_before_gate, self.group_size = norm_before_gate, group_size
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return ops.gated_rms_norm(x, gate, self.weight, self.eps, self.activation, self.norm_before_gate,
+                                  self.group_size)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class ShortConvolution(nn.Module):
+    """Depthwise causal convolution + SiLU. The weight keeps nn.Conv1d's [channels, 1, width] shape (FLA's)."""
+
+    def __init__(self, channels: int, width: int, bias: bool = False):
+        super().__init__()
+        self.width = width
+        self.weight = nn.Parameter(torch.empty(channels, 1, width))
+        self.bias = nn.Parameter(torch.zeros(channels)) if bias else None
+
+    def forward(self, x, cu_seqlens=None, cache=None, key=None):
+        """x: [B, T, D]. With a cache, the state under ``key`` is read and replaced (decoding)."""
+        state = cache.get(key) if cache is not None else None
+        y, new_state = ops.causal_conv1d(
+            x, self.weight.squeeze(1), self.bias, "silu", cu_seqlens=cu_seqlens, initial_state=state,
+            output_final_state=cache is not None,
+        )
+        if cache is not None:
+            cache[key] = new_state
+        return y
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)), with FLA's names."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, **_) -> torch.Tensor:
+        return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+@torch.no_grad()
+def init_log_uniform_A(A_log: torch.Tensor, low: float = 1.0, high: float = 16.0) -> None:
+    """A_log = log(A), A ~ U(low, high): decay rates spread over an order of magnitude."""
+    nn.init.uniform_(A_log, low, high)
+    A_log.log_()
+
+
+@torch.no_grad()
+def init_dt_bias(dt_bias: torch.Tensor, dt_min: float = 1e-3, dt_max: float = 0.1, floor: float = 1e-4) -> None:
+    """dt_bias = softplus^-1(dt), dt log-uniform in [dt_min, dt_max] and at least ``floor`` (Mamba's init)."""
+    nn.init.uniform_(dt_bias)
+    dt_bias.mul_(math.log(dt_max) - math.log(dt_min)).add_(math.log(dt_min)).exp_().clamp_(min=floor)
+    dt_bias.add_(torch.log(-torch.expm1(-dt_bias)))

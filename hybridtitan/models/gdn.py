@@ -1,0 +1,60 @@
+"""Gated DeltaNet (Yang et al., 2024), with FLA's parameter names and shapes.
+
+    q, k, v  = SiLU(causal_conv(W_q x)), SiLU(causal_conv(W_k x)), SiLU(causal_conv(W_v x))
+    decay_t  = -exp(A_log) * softplus(W_a x + dt_bias)        (one per value head, float32)
+    beta_t   = sigmoid(W_b x)
+    o        = gated_delta_rule(l2norm(q), l2norm(k), v, decay, beta)
+    out      = W_o(RMSNorm(o) * SiLU(W_g x))                    (per head)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from hybridtitan import ops
+
+from .args import GDNArgs
+from .common import GatedRMSNorm, ShortConvolution, init_dt_bias, init_log_uniform_A
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, dim: int, args: GDNArgs, norm_eps: float):
+        super().__init__()
+        self.num_heads, self.num_v_heads = args.num_heads, args.num_v_heads
+        self.head_dim, self.head_v_dim = args.head_dim, args.head_v_dim
+        key_dim, value_dim = args.num_heads * args.head_dim, args.num_v_heads * args.head_v_dim
+        self.q_proj = nn.Linear(dim, key_dim, bias=False)
+        self.k_proj = nn.Linear(dim, key_dim, bias=False)
+        self.v_proj = nn.Linear(dim, value_dim, bias=False)
+        self.a_proj = nn.Linear(dim, args.num_v_heads, bias=False)
+        self.b_proj = nn.Linear(dim, args.num_v_heads, bias=False)
+        self.A_log = nn.Parameter(torch.empty(args.num_v_heads))
+        self.dt_bias = nn.Parameter(torch.empty(args.num_v_heads))
+        self.q_conv1d = ShortConvolution(key_dim, args.conv_size)
+        self.k_conv1d = ShortConvolution(key_dim, args.conv_size)
+        self.v_conv1d = ShortConvolution(value_dim, args.conv_size)
+        self.g_proj = nn.Linear(dim, value_dim, bias=False)
+        self.o_norm = GatedRMSNorm(args.head_v_dim, eps=norm_eps, activation="swish")
+        self.o_proj = nn.Linear(value_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cu_seqlens=None, cache=None, **_) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_conv1d(self.q_proj(x), cu_seqlens, cache, "conv_q").view(B, T, self.num_heads, self.head_dim)
+        k = self.k_conv1d(self.k_proj(x), cu_seqlens, cache, "conv_k").view(B, T, self.num_heads, self.head_dim)
+        v = self.v_conv1d(self.v_proj(x), cu_seqlens, cache, "conv_v").view(B, T, self.num_v_heads, self.head_v_dim)
+        o, state = ops.gated_delta_rule(
+            q, k, v, self.a_proj(x), self.b_proj(x), self.A_log, self.dt_bias, cu_seqlens=cu_seqlens,
+            initial_state=cache.get("recurrent") if cache is not None else None,
+            output_final_state=cache is not None,
+        )
+        if cache is not None:
+            cache["recurrent"] = state
+        g = self.g_proj(x).view(B, T, self.num_v_heads, self.head_v_dim)
+        o = self.o_norm(o.to(x.dtype), g)
+        return self.o_proj(o.reshape(B, T, -1))
+
+    @torch.no_grad()
+    def init_special(self) -> None:
+        init_log_uniform_A(self.A_log)
+        init_dt_bias(self.dt_bias)

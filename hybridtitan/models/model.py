@@ -1,0 +1,126 @@
+"""HybridLM: embedding, one pre-norm residual sublayer per pattern symbol, final RMSNorm, LM head.
+
+Plain nn.Modules: no device, parallelism or kernel choice here (parallel.py wraps the sublayers from outside;
+hybridtitan.ops picks the kernels). Build on the meta device, move to a device with ``to_empty``, then call
+``init_weights``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from hybridtitan import ops
+
+from .args import ModelArgs
+from .common import GatedRMSNorm, RMSNorm, ShortConvolution, SwiGLU
+from .gdn import GatedDeltaNet
+from .kda import KimiDeltaAttention
+from .mamba2 import Mamba2
+from .mla import MultiLatentAttention
+
+MIXER_CLASSES = {"gdn": GatedDeltaNet, "kda": KimiDeltaAttention, "mamba2": Mamba2}
+
+
+class Sublayer(nn.Module):
+    """x + f(RMSNorm(x)), f one of: MLA attention ('attention'), the mixer ('mixer'), SwiGLU ('mlp')."""
+
+    def __init__(self, kind: str, args: ModelArgs):
+        super().__init__()
+        self.kind = kind
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        if kind == "attention":
+            self.attn = MultiLatentAttention(args.dim, args.mla, args.norm_eps)
+        elif kind == "mixer":
+            mixer_args = getattr(args, args.mixer)
+            self.mixer = MIXER_CLASSES[args.mixer](args.dim, mixer_args, args.norm_eps)
+        elif kind == "mlp":
+            self.mlp = SwiGLU(args.dim, args.ffn_dim)
+        else:
+            raise ValueError(f"unknown sublayer kind {kind!r}")
+
+    @property
+    def body(self) -> nn.Module:
+        return getattr(self, {"attention": "attn", "mixer": "mixer", "mlp": "mlp"}[self.kind])
+
+    def forward(self, x: torch.Tensor, cu_seqlens=None, cache=None, rows: int = 1) -> torch.Tensor:
+        return x + self.body(self.norm(x), cu_seqlens=cu_seqlens, cache=cache, rows=rows)
+
+
+class InferenceCache:
+    """Per-sublayer state for decoding: convolution windows, recurrent states, MLA latents."""
+
+    def __init__(self, n_layers: int):
+        self.layers: list[dict] = [{} for _ in range(n_layers)]
+
+    def layer(self, i: int) -> dict:
+        return self.layers[i]
+
+    @property
+    def seen_tokens(self) -> int:
+        for state in self.layers:
+            if "c_kv" in state:
+                return state["c_kv"].shape[1]
+        return 0
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Select batch rows (beam search); every state has the batch first."""
+        for state in self.layers:
+            for key, value in state.items():
+                state[key] = value.index_select(0, index.to(value.device))
+
+
+class HybridLM(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Sublayer(kind, args) for kind in args.kinds)
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.lm_head = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.embeddings.weight if self.lm_head is None else self.lm_head.weight
+
+    def hidden_states(self, input_ids: torch.Tensor, cu_seqlens=None, cache: InferenceCache | None = None):
+        """Final-normed hidden states [B, T, D]. With ``cu_seqlens`` (boundaries over the B * T tokens, rows
+        included), documents are isolated: no state or attention crosses a boundary."""
+        B, T = input_ids.shape
+        h = self.embeddings(input_ids)
+        rows = 1
+        if cu_seqlens is not None and B > 1:
+            h, rows = h.reshape(1, B * T, -1), B
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cu_seqlens=cu_seqlens, cache=cache.layer(i) if cache is not None else None, rows=rows)
+        return self.norm(h).view(B, T, -1)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, cu_seqlens=None,
+                cache: InferenceCache | None = None, ignore_index: int = -100) -> torch.Tensor:
+        """Mean cross-entropy over the counted labels if ``labels`` are given (logits never held whole),
+        else the logits [B, T, V] in float32."""
+        h = self.hidden_states(input_ids, cu_seqlens=cu_seqlens, cache=cache)
+        if labels is None:
+            return (h @ self.output_weight.t()).float()
+        loss_sum, count = ops.linear_cross_entropy(h, self.output_weight, labels, ignore_index=ignore_index)
+        return loss_sum / count.clamp(min=1)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """The reference initialisation: N(0, init_std) for every matrix and convolution (the output layer too),
+        zero biases, unit norms; A_log, dt_bias and D as each mixer specifies."""
+        std = self.args.init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding, ShortConvolution)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, (RMSNorm, GatedRMSNorm)):
+                module.reset_parameters()
+            if hasattr(module, "init_special"):
+                module.init_special()
+
+
+def build_model(args: ModelArgs, device: str | torch.device = "meta") -> HybridLM:
+    with torch.device(device):
+        return HybridLM(args)

@@ -1,0 +1,122 @@
+"""Every compute kernel of the models, chosen in one place.
+
+A tensor on a GPU (CUDA or ROCm: PyTorch calls both "cuda") goes to FLA's Triton kernels (``fla_backend``);
+anything else to the chunked PyTorch reference (``reference``), which computes the same algorithm. Model code
+calls these functions and never chooses a kernel itself. ``use_reference_kernels()`` forces the reference on
+any device, for parity checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from . import reference
+from .cross_entropy import linear_cross_entropy
+
+__all__ = [
+    "gated_delta_rule", "kda", "simple_gla", "causal_conv1d", "rms_norm", "gated_rms_norm", "swiglu",
+    "attention", "linear_cross_entropy", "use_reference_kernels", "backend_for",
+]
+
+_FORCE_REFERENCE = False
+
+# KDA's reference computes the per-channel decay between every pair of positions of a chunk: with chunks of 16
+# that costs 16 x the key tensor, and stays exact however strong the decay (no exp(+gamma) is ever formed).
+GDN_CHUNK = 64
+KDA_CHUNK = 16
+
+
+@contextlib.contextmanager
+def use_reference_kernels():
+    """Within this block every op runs the PyTorch reference, on any device."""
+    global _FORCE_REFERENCE
+    previous, _FORCE_REFERENCE = _FORCE_REFERENCE, True
+    try:
+        yield
+    finally:
+        _FORCE_REFERENCE = previous
+
+
+@functools.cache
+def _fla():
+    from . import fla_backend
+
+    return fla_backend
+
+
+def backend_for(x: torch.Tensor) -> str:
+    return "fla" if (x.is_cuda and not _FORCE_REFERENCE) else "torch"
+
+
+def gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None, initial_state=None, output_final_state=False):
+    """Gated DeltaNet core. q, k: [B, T, H, K] before their L2 norm; v: [B, T, HV, V]; a, b: [B, T, HV] raw gate
+    and beta logits. decay = -exp(A_log) * softplus(a + dt_bias) (float32), beta = sigmoid(b)."""
+    if backend_for(q) == "fla":
+        return _fla().gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state, output_final_state)
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return reference.chunk_delta_rule(
+        reference.l2norm(q.float()), reference.l2norm(k.float()), v, g, torch.sigmoid(b.float()),
+        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        chunk_size=GDN_CHUNK,
+    )
+
+
+def kda(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None, initial_state=None, output_final_state=False):
+    """Kimi Delta Attention core. As ``gated_delta_rule`` but a: [B, T, HV, K] (one decay per key channel),
+    dt_bias: [HV * K]."""
+    if backend_for(q) == "fla":
+        return _fla().kda(q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state, output_final_state)
+    HV, K = a.shape[-2], a.shape[-1]
+    g = -A_log.float().view(HV, 1).exp() * F.softplus(a.float() + dt_bias.float().view(HV, K))
+    return reference.chunk_delta_rule(
+        reference.l2norm(q.float()), reference.l2norm(k.float()), v, g, torch.sigmoid(b.float()),
+        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        chunk_size=KDA_CHUNK,
+    )
+
+
+def simple_gla(q, k, v, g, scale=None, cu_seqlens=None, initial_state=None, output_final_state=False):
+    """Linear attention with a scalar log decay g: [B, T, H] per head (Mamba2's SSD with q=C, k=B, v=x*dt)."""
+    if backend_for(q) == "fla":
+        return _fla().simple_gla(q, k, v, g, scale, cu_seqlens, initial_state, output_final_state)
+    return reference.chunk_simple_gla(q, k, v, g.float(), scale=scale, initial_state=initial_state,
+                                      output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def causal_conv1d(x, weight, bias=None, activation="silu", cu_seqlens=None, initial_state=None,
+                  output_final_state=False):
+    """Depthwise causal convolution. x: [B, T, D]; weight: [D, W]; states [N, D, W] (last W inputs)."""
+    if backend_for(x) == "fla":
+        return _fla().causal_conv1d(x, weight, bias, activation, cu_seqlens, initial_state, output_final_state)
+    return reference.causal_conv1d(x, weight, bias, activation, cu_seqlens, initial_state, output_final_state)
+
+
+def rms_norm(x, weight, eps):
+    if backend_for(x) == "fla":
+        return _fla().rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def gated_rms_norm(x, gate, weight, eps, activation="swish", norm_before_gate=True, group_size=None):
+    if backend_for(x) == "fla":
+        return _fla().gated_rms_norm(x, gate, weight, eps, activation, norm_before_gate, group_size)
+    return reference.gated_rms_norm(x, gate, weight, eps, activation, norm_before_gate, group_size)
+
+
+def swiglu(gate, up):
+    """silu(gate) * up."""
+    if backend_for(gate) == "fla":
+        return _fla().swiglu(gate, up)
+    return F.silu(gate) * up
+
+
+def attention(q, k, v, scale, cu_seqlens=None, rows=1):
+    """Causal attention. q, k: [B, T, H, Dk]; v: [B, T, H, Dv]; packed documents as ``cu_seqlens`` over a batch of
+    one flattened from ``rows`` rows."""
+    if backend_for(q) == "fla":
+        return _fla().attention(q, k, v, scale, cu_seqlens, rows)
+    return reference.causal_attention(q, k, v, scale, cu_seqlens, rows)

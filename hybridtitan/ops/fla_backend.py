@@ -1,0 +1,86 @@
+"""The GPU path: FLA's Triton kernels (CUDA and ROCm alike). Imported only when a GPU tensor reaches an op.
+
+Each function has the signature of its PyTorch twin in ``reference.py`` (through ``ops/__init__.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fla.modules.activations import swiglu as _fla_swiglu
+from fla.modules.convolution import causal_conv1d as _fla_causal_conv1d
+from fla.modules.fused_norm_gate import rms_norm_gated as _fla_rms_norm_gated
+from fla.modules.layernorm import rms_norm as _fla_rms_norm
+from fla.modules.norm.layernorm_gated import rmsnorm_fn as _fla_group_rmsnorm
+from fla.ops.attn import parallel_attn
+from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from fla.ops.kda import chunk_kda, fused_recurrent_kda
+from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+
+# Below this many tokens without gradients (decoding), the recurrent kernels beat the chunked ones.
+RECURRENT_MAX_TOKENS = 64
+
+
+def _decoding(q: torch.Tensor) -> bool:
+    return not torch.is_grad_enabled() and q.shape[1] <= RECURRENT_MAX_TOKENS
+
+
+def gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state, output_final_state):
+    fn = fused_recurrent_gated_delta_rule if _decoding(q) else chunk_gated_delta_rule
+    return fn(
+        q=q, k=k, v=v, g=a, beta=b, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True,
+        use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+    )
+
+
+def kda(q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state, output_final_state):
+    fn = fused_recurrent_kda if _decoding(q) else chunk_kda
+    return fn(
+        q=q, k=k, v=v, g=a, beta=b, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True,
+        use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+    )
+
+
+def simple_gla(q, k, v, g, scale, cu_seqlens, initial_state, output_final_state):
+    fn = fused_recurrent_simple_gla if _decoding(q) else chunk_simple_gla
+    return fn(q=q, k=k, v=v, g=g, scale=scale, initial_state=initial_state,
+              output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def causal_conv1d(x, weight, bias, activation, cu_seqlens, initial_state, output_final_state):
+    return _fla_causal_conv1d(
+        x=x, weight=weight, bias=bias, activation=activation, cu_seqlens=cu_seqlens,
+        initial_state=initial_state, output_final_state=output_final_state,
+    )
+
+
+def rms_norm(x, weight, eps):
+    return _fla_rms_norm(x, weight, None, eps=eps)
+
+
+def gated_rms_norm(x, gate, weight, eps, activation, norm_before_gate, group_size):
+    if norm_before_gate and group_size in (None, x.shape[-1]):
+        return _fla_rms_norm_gated(x, gate, weight, None, activation=activation, eps=eps)
+    if activation not in ("swish", "silu"):
+        raise ValueError("the grouped gated RMSNorm supports the swish gate only")
+    return _fla_group_rmsnorm(x, weight, None, z=gate, eps=eps, group_size=group_size,
+                              norm_before_gate=norm_before_gate)
+
+
+def swiglu(gate, up):
+    return _fla_swiglu(gate, up)
+
+
+def attention(q, k, v, scale, cu_seqlens, rows):
+    if cu_seqlens is None and q.shape[1] != k.shape[1]:  # decoding against a cache
+        from .reference import causal_attention
+
+        return causal_attention(q, k, v, scale)
+    if cu_seqlens is None:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale
+        )
+        return out.transpose(1, 2)
+    return parallel_attn(q, k, v, scale=scale, cu_seqlens=cu_seqlens)
