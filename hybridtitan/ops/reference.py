@@ -208,7 +208,7 @@ def causal_conv1d(
     seg = segment_ids(bounds, x.device)
     y = flat * weight[:, W - 1]
     for shift in range(1, W):
-        shifted = torch.cat([flat.new_zeros(shift, D), flat[:-shift]], dim=0)
+        shifted = torch.cat([flat.new_zeros(shift, D), flat[:-shift]], dim=0)[: B * T]  # B * T may be < shift
         inside = (pos >= shift).unsqueeze(1)
         if initial_state is not None:
             # before its start, a sequence reads its initial state: index W - (shift - pos) of it

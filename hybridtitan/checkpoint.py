@@ -1,0 +1,296 @@
+"""DCP checkpoints: ``dump_folder/checkpoint/step-N`` with model, optimizer, LR schedule, data loader, step, RNG.
+
+Why not torchtitan's CheckpointManager: a save must never leave a folder that looks complete but is not, and a
+run must resume from the last *complete* one. Here every save is written to ``step-N.partial`` and renamed to
+``step-N`` only once all ranks finished (a rename is atomic), then ``latest`` is rewritten atomically; an
+interrupted save leaves only a ``.partial`` folder that resume ignores and the next save replaces. Each step
+folder also holds ``model_args.json`` and ``job_config.json``, so export and evaluation rebuild the model from
+the folder alone.
+
+The model and optimizer states are sharded DTensors: DCP reshards them, so a checkpoint saved by N ranks loads
+on M ranks. The data loader and RNG states are per rank (keys ``dataloader.dp_rank_R``); on a different
+data-parallel size every rank restarts its loader from the saved rank-0 position (see the data loader).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from hybridtitan.models import HybridLM, ModelArgs, build_model
+
+logger = logging.getLogger("hybridtitan")
+
+STEP_RE = re.compile(r"^step-(\d+)$")
+MODEL_ARGS_FILE = "model_args.json"
+JOB_CONFIG_FILE = "job_config.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be used: reported as one line."""
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+def model_args_to_dict(args: ModelArgs) -> dict:
+    return dataclasses.asdict(args)
+
+
+def model_args_from_dict(d: dict) -> ModelArgs:
+    from hybridtitan.models import GDNArgs, KDAArgs, Mamba2Args, MLAArgs
+
+    d = dict(d)
+    for key, cls in (("gdn", GDNArgs), ("kda", KDAArgs), ("mamba2", Mamba2Args), ("mla", MLAArgs)):
+        d[key] = cls(**d[key])
+    return ModelArgs(**d)
+
+
+def complete_steps(folder: str) -> list[int]:
+    """Steps with a complete checkpoint in ``folder`` (a .partial folder is never complete)."""
+    if not os.path.isdir(folder):
+        return []
+    steps = []
+    for name in os.listdir(folder):
+        m = STEP_RE.match(name)
+        if m and os.path.isfile(os.path.join(folder, name, ".metadata")):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def resolve_checkpoint(path: str, step: int | None = None) -> str:
+    """A step folder from a step folder, a checkpoint folder (its latest step, or ``step``), or a dump folder."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint not found: {path}")
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        if step is not None and not path.rstrip("/").endswith(f"step-{step}"):
+            raise CheckpointError(f"{path} is a single checkpoint; it is not step {step}")
+        if not os.path.isfile(os.path.join(path, MODEL_ARGS_FILE)):
+            raise CheckpointError(f"{path} has no {MODEL_ARGS_FILE}: not a hybridtitan checkpoint")
+        return path
+    for folder in (path, os.path.join(path, "checkpoint")):
+        steps = complete_steps(folder)
+        if steps:
+            if step is None:
+                return os.path.join(folder, f"step-{steps[-1]}")
+            if step not in steps:
+                raise CheckpointError(f"step {step} not found in {folder}; complete steps: "
+                                      f"{', '.join(map(str, steps))}")
+            return os.path.join(folder, f"step-{step}")
+    if os.path.basename(path.rstrip("/")).endswith(".partial") or any(
+            n.endswith(".partial") for n in os.listdir(path) if os.path.isdir(path)):
+        raise CheckpointError(f"{path} holds only an incomplete checkpoint (an interrupted save)")
+    raise CheckpointError(f"{path} is not a checkpoint: no .metadata and no step-N folders")
+
+
+def load_model_args(step_dir: str) -> ModelArgs:
+    with open(os.path.join(step_dir, MODEL_ARGS_FILE)) as f:
+        return model_args_from_dict(json.load(f))
+
+
+def load_model(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               step: int | None = None) -> tuple[HybridLM, str]:
+    """The model of a checkpoint, in one process (no process group needed); returns it and the step folder."""
+    step_dir = resolve_checkpoint(path, step)
+    args = load_model_args(step_dir)
+    model = build_model(args, "meta")
+    model.to_empty(device=device)
+    state = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
+    try:
+        dcp.load({"model": state}, checkpoint_id=step_dir, no_dist=True)
+    except Exception as e:  # a partial or foreign folder: name it in one line
+        raise CheckpointError(f"cannot read the model from {step_dir}: {str(e).splitlines()[0]}") from None
+    model.load_state_dict(state, strict=True)
+    return model.to(dtype), step_dir
+
+
+def save_model_checkpoint(model: HybridLM, step_dir: str) -> None:
+    """A model-only checkpoint (one process) that training can start from with checkpoint.initial_load_path
+    and that export and evaluation read like any other."""
+    partial = step_dir.rstrip("/") + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    state = {k: v.detach().float().contiguous() for k, v in model.state_dict().items()}
+    dcp.save({"model": state}, checkpoint_id=partial, no_dist=True)
+    with open(os.path.join(partial, MODEL_ARGS_FILE), "w") as f:
+        json.dump(model_args_to_dict(model.args), f, indent=2)
+    os.rename(partial, step_dir)
+
+
+# ------------------------------------------------------------------------------------------------ training
+
+
+class _ModelState(Stateful):
+    def __init__(self, model):
+        self.model = model
+
+    def state_dict(self):
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, sd):
+        set_model_state_dict(self.model, sd, options=StateDictOptions(strict=True))
+
+
+class _OptimizerState(Stateful):
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self):
+        return get_optimizer_state_dict(self.model, self.optimizer,
+                                        options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+    def load_state_dict(self, sd):
+        set_optimizer_state_dict(self.model, self.optimizer, sd,
+                                 options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+class CheckpointManager:
+    """Saves and restores the whole training state; resumes from the latest complete checkpoint."""
+
+    def __init__(self, folder: str, *, model, optimizer, lr_scheduler, dataloader, train_state: Stateful,
+                 dp_rank: int, dp_world_size: int, model_args: ModelArgs, job_config: dict, interval: int,
+                 keep_latest_k: int = 0, async_mode: str = "disabled", enable: bool = True):
+        self.folder, self.enable = folder, enable
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.dataloader, self.train_state = dataloader, train_state
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self.model_args, self.job_config = model_args, job_config
+        self.interval, self.keep_latest_k = interval, keep_latest_k
+        self.async_mode = async_mode
+        self._pending: tuple[Future, str, str] | None = None
+        self._async_pg = None
+        if enable and async_mode != "disabled":
+            # async saves run their collectives on a CPU group, beside the training's NCCL/RCCL group
+            self._async_pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
+
+    # ---- what goes into a checkpoint
+    def _states(self, dataloader_key: str) -> dict[str, Any]:
+        return {
+            **{"model": _ModelState(self.model)},
+            "optimizer": _OptimizerState(self.model, self.optimizer),
+            "lr_scheduler": self.lr_scheduler,
+            "train_state": self.train_state,
+            dataloader_key: self.dataloader,
+            f"rng.dp_rank_{self.dp_rank}": _RNGState(),
+        }
+
+    def should_save(self, step: int, last: bool) -> bool:
+        return self.enable and (last or step % self.interval == 0)
+
+    def save(self, step: int) -> None:
+        if not self.enable:
+            return
+        self.wait()
+        final = os.path.join(self.folder, f"step-{step}")
+        partial = final + ".partial"
+        if _rank() == 0:
+            os.makedirs(self.folder, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)
+        _barrier()
+        t0 = time.monotonic()
+        states = self._states(f"dataloader.dp_rank_{self.dp_rank}")
+        if self.async_mode != "disabled":
+            future = dcp.async_save(states, checkpoint_id=partial, process_group=self._async_pg)
+            self._pending = (future, partial, final)
+            logger.info(f"checkpoint step {step}: staged in {time.monotonic() - t0:.1f}s, writing in the background")
+        else:
+            dcp.save(states, checkpoint_id=partial)
+            self._finalize(partial, final)
+            logger.info(f"checkpoint step {step}: saved to {final} in {time.monotonic() - t0:.1f}s")
+
+    def wait(self) -> None:
+        """Completes a background save, if one is running."""
+        if self._pending is not None:
+            future, partial, final = self._pending
+            self._pending = None
+            future.result()
+            self._finalize(partial, final)
+            logger.info(f"checkpoint saved to {final}")
+
+    def _finalize(self, partial: str, final: str) -> None:
+        _barrier()
+        if _rank() == 0:
+            with open(os.path.join(partial, MODEL_ARGS_FILE), "w") as f:
+                json.dump(model_args_to_dict(self.model_args), f, indent=2)
+            with open(os.path.join(partial, JOB_CONFIG_FILE), "w") as f:
+                json.dump(self.job_config, f, indent=2, default=str)
+            if os.path.exists(final):  # a re-save of the same step (e.g. after a resume): replace it
+                shutil.rmtree(final)
+            os.rename(partial, final)
+            tmp = os.path.join(self.folder, "latest.tmp")
+            with open(tmp, "w") as f:
+                f.write(os.path.basename(final) + "\n")
+            os.replace(tmp, os.path.join(self.folder, "latest"))
+            self._purge()
+        _barrier()
+
+    def _purge(self) -> None:
+        if self.keep_latest_k <= 0:
+            return
+        for step in complete_steps(self.folder)[:-self.keep_latest_k]:
+            shutil.rmtree(os.path.join(self.folder, f"step-{step}"), ignore_errors=True)
+
+    def latest_step(self) -> int | None:
+        steps = complete_steps(self.folder)
+        return steps[-1] if steps else None
+
+    def load(self, step_dir: str, model_only: bool = False) -> None:
+        """Restores a checkpoint into the live model/optimizer/scheduler/loader (resharding as needed)."""
+        if model_only:
+            dcp.load({"model": _ModelState(self.model)}, checkpoint_id=step_dir)
+            return
+        keys = set(dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata)
+        saved_dp = sorted({int(m.group(1)) for k in keys if (m := re.match(r"dataloader\.dp_rank_(\d+)", k))})
+        same_layout = len(saved_dp) == self.dp_world_size
+        loader_rank = self.dp_rank if same_layout else 0
+        states = self._states(f"dataloader.dp_rank_{loader_rank}")
+        if not same_layout:
+            states.pop(f"rng.dp_rank_{self.dp_rank}")
+            logger.warning(f"resuming {len(saved_dp)} data-parallel ranks' checkpoint on {self.dp_world_size}: "
+                           "model and optimizer are resharded; the data loaders restart from rank 0's position")
+        dcp.load(states, checkpoint_id=step_dir)
+
+    def close(self) -> None:
+        self.wait()
+
+
+class _RNGState(Stateful):
+    """The RNG state of this rank (CPU, and the GPU's when there is one)."""
+
+    def state_dict(self):
+        state = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_state_dict(self, sd):
+        torch.set_rng_state(sd["cpu"])
+        if "cuda" in sd and torch.cuda.is_available():
+            torch.cuda.set_rng_state(sd["cuda"])

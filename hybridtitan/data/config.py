@@ -1,0 +1,141 @@
+"""The `[data]` section of a recipe, and its validation (one clear line per mistake, naming the field).
+
+(No `from __future__ import annotations`: the field types must stay real types for tyro and the recipe checks.)"""
+
+import glob
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+SOURCES = ("hf", "megatron", "mock")
+
+# Local data files the "hf" source reads, by extension, and the `datasets` builder that reads each.
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+GLOB_CHARS = "*?["
+
+
+@dataclass
+class Data:
+    tokenizer: str = "hybridtitan/assets/tokenizer"
+    """Tokenizer: a local Hugging Face tokenizer folder, or a hub name when online"""
+
+    source: str = "hf"
+    """Where documents come from: "hf" (datasets.load_dataset), "megatron" (.bin/.idx indexed datasets) or
+    "mock" (random tokens, for smoke tests and benchmarks)"""
+
+    path: str = ""
+    """hf: a hub dataset name, a local folder, or local files (a file or a glob of .json/.jsonl/.parquet/.txt);
+    megatron: one or more comma-separated path prefixes (without .bin/.idx; a prefix may be a glob)"""
+
+    name: str = ""
+    """hf: the dataset's config name (e.g. "sample-10BT" for HuggingFaceFW/fineweb-edu)"""
+
+    split: str = "train"
+    """hf: the split to read"""
+
+    text_field: str = "text"
+    """hf: the column that holds each document's text"""
+
+    streaming: bool = False
+    """hf: stream the dataset instead of downloading it whole (resume is exact only with shuffle off)"""
+
+    document_boundaries: bool = False
+    """Also return cu_seqlens, so that no recurrent state or attention crosses a document boundary"""
+
+    shuffle: bool = True
+    """Visit documents in a seeded random order, reshuffled every epoch"""
+
+    num_workers: int = 0
+    """DataLoader worker processes (0: load in the training process); resume needs the same value"""
+
+
+def resolve_path(path: str) -> str:
+    """`path` as given if it exists; else, for a path inside the package (the default tokenizer and corpus,
+    "hybridtitan/assets/..."), the installed package's copy, so recipes work from any working directory."""
+    if os.path.exists(path) or not path.startswith("hybridtitan/"):
+        return path
+    packaged = Path(__file__).resolve().parents[2] / path
+    return str(packaged) if packaged.exists() else path
+
+
+def looks_local(path: str) -> bool:
+    """Whether `path` names local files rather than a hub repository ("owner/name" or "name")."""
+    if os.path.exists(path) or any(c in path for c in GLOB_CHARS):
+        return True
+    if path.startswith(("/", ".", "~")) or path.count("/") > 1:
+        return True
+    return file_builder(path) is not None
+
+
+def file_builder(path: str) -> str | None:
+    """The `datasets` builder for a data file ("json", "parquet", "text"), from its extension."""
+    stem = path
+    for compression in COMPRESSIONS:
+        if stem.endswith(compression):
+            stem = stem[: -len(compression)]
+    return FILE_BUILDERS.get(os.path.splitext(stem)[1].lower())
+
+
+def local_data_files(path: str) -> list[str]:
+    """The files a local file path or glob names (sorted), [] if none."""
+    path = os.path.expanduser(resolve_path(path))
+    if os.path.isfile(path):
+        return [path]
+    return sorted(p for p in glob.glob(path) if os.path.isfile(p))
+
+
+def megatron_prefixes(path: str) -> list[str]:
+    """Expand `data.path` for the megatron source into path prefixes: comma-separated, each a prefix or a glob
+    matched against the .idx files. Raises ValueError naming the first prefix that has no .bin/.idx pair."""
+    prefixes = []
+    for item in (p.strip() for p in path.split(",")):
+        if not item:
+            continue
+        item = os.path.expanduser(resolve_path(item))
+        if item.endswith((".bin", ".idx")):
+            item = item[:-4]
+        if any(c in item for c in GLOB_CHARS):
+            matched = sorted(p[:-4] for p in glob.glob(item + ".idx"))
+            if not matched:
+                raise ValueError(f"data.path: no Megatron .idx file matches {item}.idx")
+        else:
+            matched = [item]
+        for prefix in matched:
+            if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
+                raise ValueError(f"data.path: no Megatron dataset at prefix {prefix} "
+                                 f"(expected {prefix}.bin and {prefix}.idx)")
+        prefixes.extend(matched)
+    if not prefixes:
+        raise ValueError("data.path: the megatron source needs one or more .bin/.idx path prefixes")
+    return prefixes
+
+
+def validate_data_config(cfg: Data) -> None:
+    """Check the `[data]` section before anything is loaded; raises ValueError with one line naming the field."""
+    if cfg.source not in SOURCES:
+        raise ValueError(f"data.source must be one of {', '.join(SOURCES)} (got {cfg.source!r})")
+    if cfg.num_workers < 0:
+        raise ValueError(f"data.num_workers must be >= 0 (got {cfg.num_workers})")
+    if cfg.tokenizer and looks_local(cfg.tokenizer) and not os.path.isdir(resolve_path(cfg.tokenizer)):
+        raise ValueError(f"data.tokenizer: no such folder: {cfg.tokenizer}")
+    if not cfg.tokenizer and cfg.source != "mock":
+        raise ValueError(f"data.tokenizer is required for the {cfg.source} source")
+    if cfg.source == "hf":
+        if not cfg.path:
+            raise ValueError("data.path is required for the hf source (a hub dataset name, a folder or local files)")
+        if not cfg.text_field:
+            raise ValueError("data.text_field must name the column that holds the text")
+        if looks_local(cfg.path):
+            local = resolve_path(cfg.path)
+            if not os.path.isdir(local) and not local_data_files(local):
+                raise ValueError(f"data.path: no such file or folder: {cfg.path}")
+            if not os.path.isdir(local) and file_builder(local) is None:
+                raise ValueError(f"data.path: cannot tell the file type of {cfg.path} "
+                                 f"(expected one of {', '.join(FILE_BUILDERS)})")
+        if cfg.streaming and cfg.num_workers > 0:
+            # datasets would shard the stream again inside each worker, by its own rules; one process keeps the
+            # order (and the resume) ours.
+            raise ValueError("data.num_workers must be 0 with data.streaming")
+    elif cfg.source == "megatron":
+        megatron_prefixes(cfg.path)

@@ -1,0 +1,123 @@
+"""The training data loader: packed windows from a document source, batched by a StatefulDataLoader whose
+state_dict() / load_state_dict() resume the stream exactly.
+
+    loader = build_dataloader(job.data, tokenizer, seq_len=4096, local_batch_size=8, dp_rank=r,
+                              dp_world_size=w, seed=job.training.seed, vocab_size=model_args.vocab_size)
+    batch = next(iter(loader))  # {"input_ids": [B, T] int64, "labels": [B, T] int64(, "cu_seqlens": int32)}
+
+The iterator never ends: epochs wrap, reshuffled with an epoch-dependent seed.
+
+Checkpoint state (what `PackedDataset.state_dict()` returns; StatefulDataLoader nests it in its own dict):
+    {"version": 1, "seq_len": T,
+     "packer": {"documents": <cursor before the document being cut>, "offset": tokens of it already placed,
+                "carry": the token the next window starts with, or -1}}
+    cursor, random-access sources: {"epoch", "pos", "shard", "num_shards", "seed", "shuffle", "fingerprint"}
+    cursor, streaming hf:          {"epoch", "hf_state" (datasets' own, as a JSON string), "shard", "num_shards"}
+A few integers: resume re-reads (re-tokenizes) at most the one document that was being cut. The structure
+never changes along a run (DCP loads a checkpoint into the structure of the live state_dict).
+
+Changing the data-parallel size between save and load cannot be exact. Load any one rank's state (rank 0's,
+say) on every rank: each new shard continues the same epoch, in the same order, from the point the old shards
+had reached together (see ShardedDocuments.load_state_dict); a streaming dataset restarts the epoch instead.
+A warning says so. `data.num_workers` must not change (StatefulDataLoader keeps one state per worker).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from .config import Data, validate_data_config
+from .packing import Packer, cu_seqlens
+from .sources import build_documents
+from .tokenizer import eos_id
+
+STATE_VERSION = 1
+
+
+class PackedDataset(IterableDataset):
+    """Windows of seq_len + 1 tokens from this rank's documents, as {"input_ids", "labels"} samples.
+    Stateful: the StatefulDataLoader saves and restores it (in each worker, when there are workers)."""
+
+    def __init__(self, cfg: Data, tokenizer, *, seq_len: int, dp_rank: int, dp_world_size: int, seed: int,
+                 eos: int, vocab_size: int | None):
+        self.cfg, self.tokenizer, self.seq_len, self.eos = cfg, tokenizer, seq_len, eos
+        self.dp_rank, self.dp_world_size, self.seed, self.vocab_size = dp_rank, dp_world_size, seed, vocab_size
+        self._packer: Packer | None = None
+        if cfg.num_workers == 0:
+            self._build()  # now, so that a bad path or split fails at build time, not at the first batch
+
+    def _build(self) -> Packer:
+        # Workers split this rank's documents further: worker k of n is shard rank * n + k of world * n.
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        documents = build_documents(self.cfg, self.tokenizer, shard=self.dp_rank * workers + worker,
+                                    num_shards=self.dp_world_size * workers, seed=self.seed, eos=self.eos,
+                                    vocab_size=self.vocab_size, max_doc_len=2 * self.seq_len)
+        self._packer = Packer(documents, self.seq_len, self.eos)
+        return self._packer
+
+    @property
+    def packer(self) -> Packer:
+        return self._packer if self._packer is not None else self._build()
+
+    def __getstate__(self):
+        # Workers rebuild their own source (memory maps and datasets do not travel well, and their shard differs).
+        return {**self.__dict__, "_packer": None}
+
+    def __iter__(self):
+        packer = self.packer
+        while True:
+            window = torch.from_numpy(packer.next_window())
+            yield {"input_ids": window[:-1], "labels": window[1:]}
+
+    def state_dict(self) -> dict:
+        return {"version": STATE_VERSION, "seq_len": self.seq_len, "packer": self.packer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"data: unknown data loader state version {state.get('version')!r}")
+        # A different seq_len is fine: the cursor counts tokens, not windows.
+        self.packer.load_state_dict(state["packer"])
+
+
+class Collate:
+    """Stacks samples into a batch; with document boundaries, adds cu_seqlens over the flattened batch."""
+
+    def __init__(self, eos: int, document_boundaries: bool):
+        self.eos, self.document_boundaries = eos, document_boundaries
+
+    def __call__(self, samples: list[dict]) -> dict:
+        batch = {"input_ids": torch.stack([s["input_ids"] for s in samples]),
+                 "labels": torch.stack([s["labels"] for s in samples])}
+        if self.document_boundaries:
+            batch["cu_seqlens"] = cu_seqlens(batch["input_ids"], self.eos)
+        return batch
+
+
+def build_dataloader(cfg: Data, tokenizer, *, seq_len: int, local_batch_size: int, dp_rank: int,
+                     dp_world_size: int, seed: int, vocab_size: int | None = None) -> StatefulDataLoader:
+    """The infinite, exactly resumable loader of this data-parallel rank's batches (see the module docstring).
+    `tokenizer` may be None for the mock source (EOS is then token 0)."""
+    validate_data_config(cfg)
+    if seq_len < 1 or local_batch_size < 1:
+        raise ValueError(f"seq_len and local_batch_size must be positive (got {seq_len}, {local_batch_size})")
+    if not 0 <= dp_rank < dp_world_size:
+        raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp_world_size - 1}")
+    if tokenizer is None:
+        if cfg.source != "mock":
+            raise ValueError(f"data.tokenizer: the {cfg.source} source needs a tokenizer")
+        eos = 0
+    else:
+        eos = eos_id(tokenizer)
+        if vocab_size is not None and len(tokenizer) > vocab_size:
+            raise ValueError(f"tokenizer vocabulary ({len(tokenizer)}) is larger than the model's "
+                             f"vocab_size ({vocab_size})")
+        vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
+    if vocab_size is not None and eos >= vocab_size:
+        raise ValueError(f"data.tokenizer: the EOS id ({eos}) is outside the model's vocab_size ({vocab_size})")
+    dataset = PackedDataset(cfg, tokenizer, seq_len=seq_len, dp_rank=dp_rank, dp_world_size=dp_world_size,
+                            seed=seed, eos=eos, vocab_size=vocab_size)
+    return StatefulDataLoader(dataset, batch_size=local_batch_size, collate_fn=Collate(eos, cfg.document_boundaries),
+                              num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available())

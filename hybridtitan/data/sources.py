@@ -1,0 +1,295 @@
+"""Document sources: each rank's documents as token-id arrays, in a seeded order, epoch after epoch, behind a
+cursor small enough to checkpoint.
+
+Random-access sources (a Hugging Face map-style dataset, Megatron .bin/.idx files, mock tokens) share one
+ordering rule, in `ShardedDocuments`: epoch e visits the documents in the order of a permutation seeded by
+(seed, e) (the identity without shuffle), and shard s of n takes positions s, s + n, s + 2n, ... of it. The
+permutation depends on neither the shard nor the number of shards, which is what lets a checkpoint move to a
+different data-parallel size (see `ShardedDocuments.load_state_dict`). A streaming Hugging Face dataset has no
+random access: `StreamingDocuments` follows the stream and checkpoints it with datasets' own state_dict.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+
+import numpy as np
+
+from .config import Data, file_builder, local_data_files, looks_local, megatron_prefixes, resolve_path
+from .megatron import MegatronDataset
+from .tokenizer import encode_batch
+
+logger = logging.getLogger(__name__)
+
+# Documents fetched (and tokenized) per call to a source: enough for the Rust tokenizer to use its threads.
+BLOCK = 64
+
+
+def _one_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Random-access sources: len(), documents(indices) -> list of int arrays, fingerprint (what a checkpoint checks)
+
+
+class HFSource:
+    """A map-style Hugging Face dataset, tokenized on the fly (no special tokens: packing adds the EOS)."""
+
+    random_order = False
+
+    def __init__(self, dataset, tokenizer, text_field: str):
+        self.texts = dataset.select_columns([text_field])
+        self.tokenizer, self.text_field = tokenizer, text_field
+        self.fingerprint = f"hf:{len(self.texts)}"
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def documents(self, indices) -> list[np.ndarray]:
+        texts = self.texts[[int(i) for i in indices]][self.text_field]
+        return [np.asarray(ids, dtype=np.int64) for ids in encode_batch(self.tokenizer, [t or "" for t in texts])]
+
+
+class MegatronSource:
+    """One or more Megatron .bin/.idx files, read as one list of documents (uniformly: no blending weights)."""
+
+    random_order = False
+
+    def __init__(self, prefixes: list[str]):
+        self.files = [MegatronDataset(p) for p in prefixes]
+        self.starts = np.cumsum([0] + [len(f) for f in self.files])
+        self.fingerprint = f"megatron:{int(self.starts[-1])}"
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def documents(self, indices) -> list[np.ndarray]:
+        out = []
+        for i in indices:
+            f = int(np.searchsorted(self.starts, i, side="right")) - 1
+            out.append(np.asarray(self.files[f].doc(int(i) - int(self.starts[f])), dtype=np.int64))
+        return out
+
+
+class MockSource:
+    """Random tokens in documents of random length, for smoke tests and benchmarks without data. Document i
+    is drawn from its own generator seeded by (seed, i), so any document can be regenerated, in any order.
+    Token ids never equal `eos`, so document boundaries are exactly where packing puts them."""
+
+    random_order = True  # already random: no permutation (it could not be held for 2**40 documents anyway)
+
+    def __init__(self, vocab_size: int, eos: int, seed: int, max_len: int, num_docs: int = 1 << 40):
+        if vocab_size < 2:
+            raise ValueError(f"mock data needs a vocab_size of at least 2 (got {vocab_size})")
+        self.vocab_size, self.eos, self.seed, self.max_len, self.num_docs = vocab_size, eos, seed, max_len, num_docs
+        self.fingerprint = f"mock:{vocab_size}:{seed}:{max_len}"
+
+    def __len__(self) -> int:
+        return self.num_docs
+
+    def documents(self, indices) -> list[np.ndarray]:
+        out = []
+        for i in indices:
+            rng = np.random.default_rng([self.seed, int(i)])
+            tokens = rng.integers(0, self.vocab_size - 1, size=int(rng.integers(1, self.max_len + 1)), dtype=np.int64)
+            out.append(tokens + (tokens >= self.eos))  # skip the EOS id
+        return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Cursors over a source, for one data-parallel shard
+
+
+class ShardedDocuments:
+    """Shard `shard` of `num_shards` of a random-access source, in a seeded order, forever (epochs wrap).
+    The cursor is (epoch, pos): this shard's next document is global position shard + pos * num_shards of
+    epoch `epoch`'s order. Empty documents are skipped."""
+
+    def __init__(self, source, *, shard: int, num_shards: int, seed: int, shuffle: bool):
+        if not 0 <= shard < num_shards:
+            raise ValueError(f"shard {shard} is outside 0..{num_shards - 1}")
+        if len(source) < num_shards:
+            raise ValueError(f"data: the dataset has {len(source)} documents, fewer than the {num_shards} "
+                             "data-parallel ranks (x workers) reading it")
+        self.source, self.shard, self.num_shards, self.seed, self.shuffle = source, shard, num_shards, seed, shuffle
+        self.epoch, self.pos = 0, 0
+        self._order_epoch, self._order = None, None
+        self._cache: dict[tuple[int, int], np.ndarray] = {}  # (epoch, pos) -> tokens: read ahead, not state
+
+    def _length(self) -> int:
+        """Documents of this shard per epoch (shards differ by at most one)."""
+        return math.ceil((len(self.source) - self.shard) / self.num_shards)
+
+    def _global_index(self, epoch: int, pos: int) -> int:
+        g = self.shard + pos * self.num_shards
+        if not self.shuffle or self.source.random_order:
+            return g
+        if self._order_epoch != epoch:
+            # Seeded by (seed, epoch) only: every shard, at any world size, sees the same order.
+            self._order = np.random.default_rng([self.seed, epoch]).permutation(len(self.source))
+            self._order_epoch = epoch
+        return int(self._order[g])
+
+    def _fetch(self, epoch: int, pos: int) -> np.ndarray:
+        if (epoch, pos) not in self._cache:
+            positions = range(pos, min(pos + BLOCK, self._length()))
+            docs = self.source.documents([self._global_index(epoch, p) for p in positions])
+            self._cache = {(epoch, p): d for p, d in zip(positions, docs)}
+        return self._cache[(epoch, pos)]
+
+    def next_document(self) -> np.ndarray:
+        for _ in range(self._length() + 1):  # at most one full epoch of empty documents before giving up
+            if self.pos >= self._length():
+                self.epoch, self.pos = self.epoch + 1, 0
+            tokens = self._fetch(self.epoch, self.pos)
+            self.pos += 1
+            if len(tokens):
+                return tokens
+        raise ValueError(f"data: shard {self.shard} of {self.num_shards} holds only empty documents")
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos, "shard": self.shard, "num_shards": self.num_shards,
+                "seed": self.seed, "shuffle": self.shuffle, "fingerprint": self.source.fingerprint}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["fingerprint"] != self.source.fingerprint:
+            raise ValueError(f"data: the checkpoint's data loader state is for other data ({state['fingerprint']}, "
+                             f"now {self.source.fingerprint}); to start this data from its beginning, leave the "
+                             "data loader out of the checkpoint load")
+        # The order follows the seed and shuffle setting the run started with, so it stays one order.
+        self.seed, self.shuffle = state["seed"], state["shuffle"]
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        if state["num_shards"] != self.num_shards:
+            # Another data-parallel size: each old shard had read about `pos` documents, so the epoch's first
+            # pos * old_shards documents are (nearly) all consumed. Each new shard continues at its first position
+            # at or past that point; at most a few documents per shard are skipped or read twice.
+            consumed = state["pos"] * state["num_shards"]
+            self.pos = max(0, math.ceil((consumed - self.shard) / self.num_shards))
+            logger.warning("data: resuming a loader saved with %d shards on %d shards: shard %d continues epoch %d "
+                           "at document %d of %d (not an exact resume)", state["num_shards"], self.num_shards,
+                           self.shard, self.epoch, self.pos, self._length())
+        self._cache, self._order_epoch = {}, None
+
+
+class StreamingDocuments:
+    """A streaming Hugging Face dataset, split by data-parallel rank, tokenized on the fly. The cursor is the
+    epoch and datasets' own state after the last document read (None at an epoch's start). Resume is exact
+    without shuffle; with shuffle, datasets refills its shuffle buffer on resume (its documented limit), so the
+    order after a resume differs from an uninterrupted run."""
+
+    def __init__(self, dataset, tokenizer, text_field: str, *, shard: int, num_shards: int, seed: int,
+                 shuffle: bool, buffer_size: int = 10_000):
+        from datasets.distributed import split_dataset_by_node
+
+        dataset = split_dataset_by_node(dataset, rank=shard, world_size=num_shards)
+        self.dataset = dataset.shuffle(seed=seed, buffer_size=buffer_size) if shuffle else dataset
+        self.tokenizer, self.text_field = tokenizer, text_field
+        self.shard, self.num_shards = shard, num_shards
+        self.epoch, self.hf_state = 0, None
+        self._iter = None
+        self._block: list[tuple[np.ndarray, dict]] = []  # read ahead: (tokens, datasets' state after it)
+
+    def _read_block(self) -> None:
+        if self._iter is None:
+            self.dataset.set_epoch(self.epoch)
+            if self.hf_state is not None:
+                self.dataset.load_state_dict(self.hf_state)
+            self._iter = iter(self.dataset)
+        texts, states = [], []
+        for example in self._iter:
+            texts.append(example[self.text_field] or "")
+            states.append(self.dataset.state_dict())
+            if len(texts) == BLOCK:
+                break
+        self._block = list(zip((np.asarray(t, dtype=np.int64) for t in encode_batch(self.tokenizer, texts)), states))
+
+    def next_document(self) -> np.ndarray:
+        epoch_ends = 0
+        while True:
+            if not self._block:
+                self._read_block()
+                if not self._block:  # the epoch is over
+                    epoch_ends += 1
+                    if epoch_ends > 2:  # a whole epoch went by without one non-empty document
+                        raise ValueError(f"data: rank {self.shard} of {self.num_shards} got no documents "
+                                         "from the stream")
+                    self.epoch, self.hf_state, self._iter = self.epoch + 1, None, None
+                    continue
+            tokens, self.hf_state = self._block.pop(0)
+            if len(tokens):
+                return tokens
+
+    def state_dict(self) -> dict:
+        # datasets' state as one JSON string: its nesting varies along the stream (None at an epoch start), and
+        # DCP loads a checkpoint into the current state_dict's structure, which must therefore stay the same.
+        hf_state = json.dumps(self.hf_state) if self.hf_state is not None else ""
+        return {"epoch": self.epoch, "hf_state": hf_state, "shard": self.shard, "num_shards": self.num_shards}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self._iter, self._block = state["epoch"], None, []
+        self.hf_state = json.loads(state["hf_state"]) if state["hf_state"] else None
+        if state["num_shards"] != self.num_shards or state["shard"] != self.shard:
+            # The stream's position belongs to another split of the shards: it cannot be mapped onto this one.
+            logger.warning("data: streaming state saved for shard %d of %d, loaded on shard %d of %d: "
+                           "restarting epoch %d of this shard's stream", state["shard"], state["num_shards"],
+                           self.shard, self.num_shards, self.epoch)
+            self.hf_state = None
+
+
+# --------------------------------------------------------------------------------------------------------------
+
+
+def load_hf_dataset(cfg: Data):
+    """datasets.load_dataset for `data.path`: a local folder, local files (builder from the extension, the files
+    are the split `data.split`), or a hub name."""
+    import datasets
+
+    path = resolve_path(cfg.path)
+    try:
+        if os.path.isdir(path):
+            ds = datasets.load_dataset(path, cfg.name or None, split=cfg.split, streaming=cfg.streaming)
+        elif looks_local(cfg.path):
+            files = local_data_files(path)
+            if not files:
+                raise ValueError(f"data.path: no such file or folder: {cfg.path}")
+            builder = file_builder(files[0])
+            if builder is None:
+                raise ValueError(f"data.path: cannot tell the file type of {files[0]}")
+            # The files are the split: name it as asked, or datasets would infer split names from file names.
+            ds = datasets.load_dataset(builder, data_files={cfg.split: files}, split=cfg.split, streaming=cfg.streaming)
+        else:
+            ds = datasets.load_dataset(path, cfg.name or None, split=cfg.split, streaming=cfg.streaming)
+    except ValueError as e:
+        if str(e).startswith("data."):
+            raise
+        raise ValueError(f"data.path: cannot load {cfg.path} (split {cfg.split!r}): {_one_line(e)}") from None
+    except Exception as e:  # noqa: BLE001 -- network, missing split, bad files: one line naming the field
+        raise ValueError(f"data.path: cannot load {cfg.path} (split {cfg.split!r}): {_one_line(e)}") from None
+    columns = ds.column_names
+    if columns is not None and cfg.text_field not in columns:
+        raise ValueError(f"data.text_field: no column {cfg.text_field!r} in {cfg.path} (columns: {', '.join(columns)})")
+    return ds
+
+
+def build_documents(cfg: Data, tokenizer, *, shard: int, num_shards: int, seed: int, eos: int,
+                    vocab_size: int | None, max_doc_len: int):
+    """The document cursor for one shard, for `data.source`."""
+    if cfg.source == "mock":
+        if vocab_size is None:
+            raise ValueError("data.source = mock needs the model's vocab_size")
+        source = MockSource(vocab_size, eos, seed, max_doc_len)
+    elif cfg.source == "megatron":
+        source = MegatronSource(megatron_prefixes(cfg.path))
+    elif cfg.source == "hf":
+        ds = load_hf_dataset(cfg)
+        if cfg.streaming:
+            return StreamingDocuments(ds, tokenizer, cfg.text_field, shard=shard, num_shards=num_shards, seed=seed,
+                                      shuffle=cfg.shuffle)
+        source = HFSource(ds, tokenizer, cfg.text_field)
+    else:
+        raise ValueError(f"data.source must be one of hf, megatron, mock (got {cfg.source!r})")
+    return ShardedDocuments(source, shard=shard, num_shards=num_shards, seed=seed, shuffle=cfg.shuffle)

@@ -1,0 +1,122 @@
+"""What a recipe builds, without building it on a device.
+
+    python -m hybridtitan.describe --job.config_file train_configs/X.toml [--model.flavor F] [--json]
+    python -m hybridtitan.describe --list
+
+Prints the layer plan, parameters (total and non-embedding), training FLOPs per token counted per sublayer,
+and a memory estimate per device for the configured batch. ``--json`` prints one JSON object instead.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from hybridtitan.config import ConfigError, model_args, parse_config
+from hybridtitan.models import FLAVORS
+from hybridtitan.models.flops import flops_per_token, param_counts, sublayer_flops, sublayer_params
+
+GIB = 2**30
+
+
+def activation_elements_per_token(args, kind: str) -> int:
+    """Rough count of the activations a sublayer keeps for its backward, per token (inputs of every matrix
+    product and nonlinearity, the residual stream); the recurrent kernels keep about their inputs."""
+    d = args.dim
+    if kind == "mlp":
+        return 2 * d + 4 * args.ffn_dim
+    if kind == "attention":
+        a = args.mla
+        qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+        return 2 * d + 2 * a.q_lora_rank + a.kv_lora_rank + a.qk_rope_head_dim + \
+            a.num_heads * (2 * qk + 2 * (a.qk_nope_head_dim + a.v_head_dim) + 2 * a.v_head_dim)
+    if args.mixer in ("gdn", "kda"):
+        g = getattr(args, args.mixer)
+        v_heads = g.num_v_heads if args.mixer == "gdn" else g.num_heads
+        kd, vd = g.num_heads * g.head_dim, v_heads * g.head_v_dim
+        gate = v_heads if args.mixer == "gdn" else kd
+        return 2 * d + 2 * (2 * kd + vd) + 2 * gate + 4 * vd
+    m = args.mamba2
+    inner = d * m.expand
+    conv = inner + 2 * m.n_groups * m.d_state
+    return 2 * d + (2 * inner + conv) + conv + 3 * inner
+
+
+def describe(cfg) -> dict:
+    args = model_args(cfg)
+    t = cfg.training
+    counts = param_counts(args)
+    flops = flops_per_token(args, t.seq_len)
+    on_gpu_bytes = 2 if t.mixed_precision_param == "bfloat16" else 4
+    shard = max(cfg.parallelism.data_parallel_shard_degree, 1)
+    tokens = t.local_batch_size * t.seq_len
+    ac = cfg.activation_checkpoint.mode
+    every = int(cfg.activation_checkpoint.selective_ac_option or 1) if ac == "selective" else 1
+    act = 0
+    for i, kind in enumerate(args.kinds):
+        kept = ac == "none" or (ac == "selective" and i % every != 0)
+        act += activation_elements_per_token(args, kind) if kept else args.dim
+    act_bytes = act * tokens * on_gpu_bytes + tokens * args.dim * 4
+    loss_bytes = min(tokens, t.loss_chunk_size) * args.vocab_size * 4 * 2  # one chunk of logits + softmax
+    # fp32 parameters, gradients and two AdamW moments, sharded; a gathered bf16 copy of the largest sublayer
+    states = counts["total"] * 16 / shard
+    layers = [
+        {"index": i, "kind": kind, "symbol": args.pattern[i],
+         "params": sum(sublayer_params(args, kind).values()), "flops_per_token": sublayer_flops(args, kind, t.seq_len)}
+        for i, kind in enumerate(args.kinds)
+    ]
+    return {
+        "flavor": cfg.model.flavor, "mixer": args.mixer, "pattern": args.pattern, "n_layers": args.n_layers,
+        "dim": args.dim, "vocab_size": args.vocab_size, "tie_embeddings": args.tie_embeddings,
+        "params_total": counts["total"], "params_non_embedding": counts["non_embedding"],
+        "params_embedding": counts["embedding"], "flops_per_token": flops["total"],
+        "flops_per_token_output_layer": flops["output_layer"], "seq_len": t.seq_len,
+        "local_batch_size": t.local_batch_size, "layers": layers,
+        "memory_estimate_gib": {
+            "params_grads_optimizer": states / GIB, "activations": act_bytes / GIB, "loss_chunk": loss_bytes / GIB,
+            "total": (states + act_bytes + loss_bytes) / GIB,
+            "assumes": f"fp32 master weights, gradients and AdamW moments sharded over {shard} rank(s); "
+                       f"{8 * on_gpu_bytes}-bit activations, activation checkpointing '{ac}'",
+        },
+    }
+
+
+def _print_table(d: dict) -> None:
+    print(f"flavor {d['flavor']}  mixer {d['mixer']}  pattern {d['pattern']}  ({d['n_layers']} sublayers, "
+          f"dim {d['dim']}, vocab {d['vocab_size']}, {'tied' if d['tie_embeddings'] else 'untied'} embeddings)")
+    print(f"{'idx':>4} {'sym':>3} {'kind':<10} {'params':>14} {'GFLOP/token':>12}")
+    for layer in d["layers"]:
+        print(f"{layer['index']:>4} {layer['symbol']:>3} {layer['kind']:<10} {layer['params']:>14,} "
+              f"{layer['flops_per_token'] / 1e9:>12.4f}")
+    print(f"parameters: {d['params_total']:,} total, {d['params_non_embedding']:,} non-embedding "
+          f"(embedding {d['params_embedding']:,})")
+    print(f"training FLOPs per token at seq_len {d['seq_len']}: {d['flops_per_token'] / 1e9:.4f} G "
+          f"(output layer {d['flops_per_token_output_layer'] / 1e9:.4f} G)")
+    m = d["memory_estimate_gib"]
+    print(f"memory estimate per device, local batch {d['local_batch_size']} x {d['seq_len']}: "
+          f"{m['total']:.2f} GiB = states {m['params_grads_optimizer']:.2f} + activations {m['activations']:.2f} "
+          f"+ loss chunk {m['loss_chunk']:.2f}  ({m['assumes']})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--list" in argv:
+        for name, a in FLAVORS.items():
+            print(f"{name:<20} {a.mixer:<7} {a.pattern}")
+        return
+    as_json = "--json" in argv
+    argv = [a for a in argv if a != "--json"]
+    try:
+        cfg = parse_config(argv, check_data=False)
+        d = describe(cfg)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if as_json:
+        print(json.dumps(d))
+    else:
+        _print_table(d)
+
+
+if __name__ == "__main__":
+    main()

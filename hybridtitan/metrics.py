@@ -1,0 +1,109 @@
+"""Training metrics: one console line per log step, a JSONL file in the dump folder, TensorBoard, optional W&B.
+
+Only rank 0 writes. Throughput is tokens per second per device; MFU is the counted training FLOPs per token
+(models/flops.py) times that rate over the device's peak bf16 FLOP/s (none on a CPU: MFU is left out).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import time
+
+import torch
+
+logger = logging.getLogger("hybridtitan")
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Datasheet dense bf16 FLOP/s of the GPU (torchtitan's table), None on a CPU."""
+    if device.type != "cuda":
+        return None
+    from torchtitan.tools.utils import get_peak_flops
+
+    return get_peak_flops(torch.cuda.get_device_name(device))
+
+
+def _fmt_time(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=int(max(seconds, 0))))
+
+
+class MetricsLogger:
+    def __init__(self, dump_folder: str, *, rank: int, total_steps: int, flops_per_token: float,
+                 device: torch.device, enable_tensorboard: bool, tb_folder: str, enable_wandb: bool,
+                 job_config: dict | None = None, color: bool = True):
+        self.rank, self.total_steps = rank, total_steps
+        self.flops_per_token, self.device = flops_per_token, device
+        self.peak = peak_flops(device)
+        self.start = time.monotonic()
+        self.tb = self.wandb = None
+        self.jsonl = None
+        if rank != 0:
+            return
+        os.makedirs(dump_folder, exist_ok=True)
+        # appended, so a resumed run continues the same file
+        self.jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "a", buffering=1)
+        if enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+            self.tb = SummaryWriter(os.path.join(dump_folder, tb_folder, stamp))
+        if enable_wandb:
+            try:
+                import wandb
+            except ImportError:
+                raise RuntimeError("metrics.enable_wandb needs the wandb package: pip install wandb") from None
+            self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "hybridtitan"), dir=dump_folder,
+                                    config=job_config)
+
+    def log(self, step: int, *, loss: float, grad_norm: float, lr: float, tokens_per_step: int, window_steps: int,
+            window_time: float, tokens_seen: int, skipped_steps: int) -> dict:
+        """The last ``window_steps`` steps took ``window_time`` seconds, each ``tokens_per_step`` tokens per device."""
+        step_time = window_time / max(window_steps, 1)
+        tps = tokens_per_step / step_time if step_time > 0 else 0.0
+        elapsed = time.monotonic() - self.start
+        # from the recent steps' pace: the first steps (compilation, autotuning) would inflate it
+        eta = step_time * (self.total_steps - step)
+        record = {
+            "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens_per_sec_per_device": tps,
+            "step_time_s": step_time, "tokens_seen": tokens_seen, "elapsed_s": elapsed, "eta_s": eta,
+            "skipped_steps": skipped_steps,
+        }
+        if self.peak:
+            record["mfu"] = self.flops_per_token * tps / self.peak
+        if self.device.type == "cuda":
+            record["memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            record["memory_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
+        if self.rank == 0:
+            self._write(record)
+        return record
+
+    def _write(self, r: dict) -> None:
+        parts = [f"step {r['step']:>{len(str(self.total_steps))}}/{self.total_steps}", f"loss {r['loss']:.4f}",
+                 f"grad_norm {r['grad_norm']:.3f}", f"lr {r['lr']:.2e}",
+                 f"tok/s/dev {r['tokens_per_sec_per_device']:,.0f}"]
+        if "mfu" in r:
+            parts.append(f"mfu {100 * r['mfu']:.1f}%")
+        if "memory_gib" in r:
+            parts.append(f"mem {r['memory_gib']:.1f} GiB")
+        parts += [f"elapsed {_fmt_time(r['elapsed_s'])}", f"eta {_fmt_time(r['eta_s'])}"]
+        if r["skipped_steps"]:
+            parts.append(f"skipped {r['skipped_steps']}")
+        logger.info(" | ".join(parts))
+        self.jsonl.write(json.dumps(r) + "\n")
+        if self.tb is not None:
+            for key, value in r.items():
+                if key != "step":
+                    self.tb.add_scalar(key, value, r["step"])
+        if self.wandb is not None:
+            self.wandb.log(r, step=r["step"])
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -1,0 +1,91 @@
+"""Parallelism, applied from outside the model in a fixed order: activation checkpointing, torch.compile per
+sublayer, then FSDP2 ``fully_shard`` per sublayer and at the root.
+
+Data parallelism only: FSDP over a 1-D mesh, or HSDP over a (replicate, shard) mesh. The mesh is built here
+rather than with torchtitan's ParallelDims, which assumes a GPU (it asks for a "cuda" mesh on a CPU machine).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+logger = logging.getLogger("hybridtitan")
+
+
+@dataclass
+class DataParallel:
+    replicate: int
+    shard: int
+
+    @property
+    def size(self) -> int:
+        return self.replicate * self.shard
+
+
+def resolve_data_parallel(replicate: int, shard: int, world_size: int) -> DataParallel:
+    """The (replicate, shard) degrees for ``world_size`` ranks; shard = -1 takes what replicate leaves."""
+    if replicate < 1:
+        raise ValueError(f"parallelism.data_parallel_replicate_degree must be at least 1, got {replicate}")
+    if shard == -1:
+        if world_size % replicate:
+            raise ValueError(f"parallelism.data_parallel_replicate_degree ({replicate}) does not divide the "
+                             f"{world_size} ranks")
+        shard = world_size // replicate
+    if shard < 1 or replicate * shard != world_size:
+        raise ValueError(f"parallelism: replicate ({replicate}) x shard ({shard}) degrees must equal the number of "
+                         f"ranks ({world_size})")
+    return DataParallel(replicate, shard)
+
+
+def build_mesh(dp: DataParallel, device_type: str) -> DeviceMesh:
+    if dp.replicate > 1:
+        return init_device_mesh(device_type, (dp.replicate, dp.shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    return init_device_mesh(device_type, (dp.shard,), mesh_dim_names=("dp_shard",))
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1) -> None:
+    """'full': recompute every sublayer in the backward; 'selective': every ``every``-th sublayer."""
+    if mode == "none":
+        return
+    step = 1 if mode == "full" else every
+    for i, layer in enumerate(model.layers):
+        if i % step == 0:
+            model.layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                                 preserve_rng_state=False)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each sublayer in place (names and state-dict keys stay the same)."""
+    for layer in model.layers:
+        layer.compile()
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+               reshard_after_forward: str = "default") -> None:
+    """fully_shard every sublayer, then the root (embedding, final norm and the tied output layer together)."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    n = len(model.layers)
+    for i, layer in enumerate(model.layers):
+        if reshard_after_forward == "default":
+            # the last sublayer's parameters are needed again at once by the backward: keep them gathered
+            reshard = i < n - 1
+        else:
+            reshard = reshard_after_forward == "always"
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward == "always")
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, ac_mode: str, ac_every: int, compile_model: bool,
+                param_dtype: torch.dtype, reduce_dtype: torch.dtype, reshard_after_forward: str) -> nn.Module:
+    apply_activation_checkpointing(model, ac_mode, ac_every)
+    if compile_model:
+        apply_compile(model)
+    apply_fsdp(model, mesh, param_dtype, reduce_dtype, reshard_after_forward)
+    return model

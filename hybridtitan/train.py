@@ -1,0 +1,343 @@
+"""The training entry point and loop.
+
+    torchrun --nproc_per_node N -m hybridtitan.train --job.config_file train_configs/X.toml [--section.key value]
+    python -m hybridtitan.train --job.config_file ...          (one process)
+
+Everything a run needs is checked before anything is written: a bad recipe, override, data path or tokenizer
+is one line on stderr and exit code 2, and no checkpoint is touched. On SIGTERM or Ctrl-C the loop finishes
+its step, saves a checkpoint and stops, so a preempted job resumes where it was. torchtitan's Trainer assumes
+a GPU; this loop runs on a CPU (gloo, float32) and on GPUs (NCCL/RCCL, bf16 parameters, fp32 reductions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import gc
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
+
+from hybridtitan.checkpoint import CheckpointManager, resolve_checkpoint
+from hybridtitan.config import ConfigError, model_args, parse_config, to_dict
+from hybridtitan.data import build_dataloader, build_tokenizer
+from hybridtitan.metrics import MetricsLogger
+from hybridtitan.models import build_model
+from hybridtitan.models.flops import flops_per_token, param_counts
+from hybridtitan.optim import build_lr_scheduler, build_optimizer
+from hybridtitan.parallel import build_mesh, parallelize, resolve_data_parallel
+
+logger = logging.getLogger("hybridtitan")
+
+
+def _setup_logging(rank: int) -> None:
+    logging.basicConfig(format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
+                        level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout, force=True)
+
+
+class TrainState(Stateful):
+    def __init__(self):
+        self.step = 0
+        self.tokens_seen = 0
+        self.skipped_steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.step, self.tokens_seen, self.skipped_steps = sd["step"], sd["tokens_seen"], sd["skipped_steps"]
+
+
+@dataclasses.dataclass
+class Plan:
+    """What the checks before any side effect worked out."""
+
+    device: torch.device
+    world_size: int
+    dp: Any
+    grad_accum: int
+    tokenizer: Any
+    model_args: Any
+
+
+def preflight(cfg) -> Plan:
+    """Every check that can fail on the user's input, before a process group, a folder or a file is made."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    try:
+        dp = resolve_data_parallel(cfg.parallelism.data_parallel_replicate_degree,
+                                   cfg.parallelism.data_parallel_shard_degree, world_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    t = cfg.training
+    per_step = t.local_batch_size * dp.size
+    global_batch = per_step if t.global_batch_size == -1 else t.global_batch_size
+    if global_batch % per_step:
+        raise ConfigError(f"training.global_batch_size ({global_batch}) is not divisible by local_batch_size x "
+                          f"data-parallel size ({t.local_batch_size} x {dp.size} = {per_step})")
+    args = model_args(cfg)
+    tokenizer = None
+    if cfg.data.source != "mock":
+        try:
+            tokenizer = build_tokenizer(cfg.data.tokenizer)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if len(tokenizer) > args.vocab_size:
+            raise ConfigError(f"tokenizer vocabulary ({len(tokenizer)}, data.tokenizer={cfg.data.tokenizer}) is "
+                              f"larger than the model's vocab_size ({args.vocab_size})")
+    if cfg.checkpoint.initial_load_path:
+        try:
+            resolve_checkpoint(cfg.checkpoint.initial_load_path)
+        except ValueError as e:
+            raise ConfigError(f"checkpoint.initial_load_path: {e}") from None
+    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    return Plan(device, world_size, dp, global_batch // per_step, tokenizer, args)
+
+
+def _init_distributed(plan: Plan, cfg) -> None:
+    backend = "nccl" if plan.device.type == "cuda" else "gloo"  # NCCL is RCCL on ROCm builds
+    kwargs = {"backend": backend, "timeout": datetime.timedelta(seconds=cfg.comm.init_timeout_seconds)}
+    if "RANK" not in os.environ:
+        # one process without torchrun: a group of one, so the sharded (FSDP) code path is the same
+        store = tempfile.NamedTemporaryFile(prefix="hybridtitan-pg-", delete=False).name
+        kwargs.update(init_method=f"file://{store}", rank=0, world_size=1)
+    if plan.device.type == "cuda":
+        torch.cuda.set_device(plan.device)
+    dist.init_process_group(**kwargs)
+
+
+class _StopRequest:
+    """SIGTERM / SIGINT: finish the step, save, exit."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        if self.requested:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.requested = True
+        logger.warning(f"signal {signum}: saving a checkpoint after this step, then stopping")
+
+
+def _set_allocator(cfg, device: torch.device) -> None:
+    if device.type == "cuda" and cfg.training.expandable_segments:
+        # from the recipe, before the first allocation; fragmentation otherwise costs the larger batches
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+
+
+def train(cfg, plan: Plan) -> dict:
+    device = plan.device
+    _set_allocator(cfg, device)
+    _init_distributed(plan, cfg)
+    rank = dist.get_rank()
+    _setup_logging(rank)
+    dp = plan.dp
+    dp_rank = rank  # the data-parallel rank: only data parallelism, so it is the global rank
+    seed = 42 if cfg.debug.seed is None else cfg.debug.seed
+    torch.manual_seed(seed)
+    if cfg.debug.deterministic:
+        torch.use_deterministic_algorithms(True)
+
+    args = plan.model_args
+    counts = param_counts(args)
+    fpt = flops_per_token(args, cfg.training.seq_len)["total"]
+    logger.info(f"model {cfg.model.flavor}: pattern {args.pattern} ({args.mixer}), {counts['total']:,} parameters "
+                f"({counts['non_embedding']:,} non-embedding), {fpt / 1e9:.3f} GFLOP/token (training)")
+    logger.info(f"{plan.world_size} rank(s) on {device.type}: data parallel replicate {dp.replicate} x shard "
+                f"{dp.shard}, local batch {cfg.training.local_batch_size} x seq {cfg.training.seq_len}, "
+                f"gradient accumulation {plan.grad_accum}")
+
+    mesh = build_mesh(dp, device.type)
+    # Initialised whole, then sharded: every rank draws the same full tensors from the seed, so the initial
+    # weights do not depend on the number of ranks (random ops on sharded CPU tensors would repeat the same
+    # numbers in every shard).
+    model = build_model(args, "meta")
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights()
+    on_gpu = device.type == "cuda"
+    param_dtype = getattr(torch, cfg.training.mixed_precision_param) if on_gpu else torch.float32
+    parallelize(model, mesh, ac_mode=cfg.activation_checkpoint.mode,
+                ac_every=int(cfg.activation_checkpoint.selective_ac_option or 1),
+                compile_model=cfg.compile.enable and "model" in cfg.compile.components,
+                param_dtype=param_dtype, reduce_dtype=torch.float32,
+                reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward)
+    model.train()
+
+    optimizer = build_optimizer(model, cfg, device.type)
+    lr_scheduler = build_lr_scheduler(optimizer, cfg)
+    dataloader = build_dataloader(
+        cfg.data, plan.tokenizer, seq_len=cfg.training.seq_len, local_batch_size=cfg.training.local_batch_size,
+        dp_rank=dp_rank, dp_world_size=dp.size, seed=seed, vocab_size=args.vocab_size)
+    state = TrainState()
+    job_dict = to_dict(cfg)
+    ckpt = CheckpointManager(
+        os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder), model=model, optimizer=optimizer,
+        lr_scheduler=lr_scheduler, dataloader=dataloader, train_state=state, dp_rank=dp_rank,
+        dp_world_size=dp.size, model_args=args, job_config=job_dict, interval=cfg.checkpoint.interval,
+        keep_latest_k=cfg.checkpoint.keep_latest_k,
+        async_mode=cfg.checkpoint.async_mode if on_gpu else "disabled", enable=cfg.checkpoint.enable)
+    _resume(cfg, ckpt, state)
+
+    if rank == 0:
+        os.makedirs(cfg.job.dump_folder, exist_ok=True)
+        with open(os.path.join(cfg.job.dump_folder, "job_config.json"), "w") as f:
+            json.dump(job_dict, f, indent=2, default=str)
+        if cfg.job.print_config:
+            logger.info("config:\n" + json.dumps(job_dict, indent=2, default=str))
+    metrics = MetricsLogger(
+        cfg.job.dump_folder, rank=rank, total_steps=cfg.training.steps, flops_per_token=fpt, device=device,
+        enable_tensorboard=cfg.metrics.enable_tensorboard, tb_folder=cfg.metrics.save_tb_folder,
+        enable_wandb=cfg.metrics.enable_wandb, job_config=job_dict)
+    stop = _StopRequest()
+    last = {}
+    try:
+        last = _loop(cfg, plan, model, optimizer, lr_scheduler, dataloader, state, ckpt, metrics, stop, device)
+    finally:
+        ckpt.close()
+        metrics.close()
+        dist.barrier()
+        dist.destroy_process_group()
+    return last
+
+
+def _resume(cfg, ckpt: CheckpointManager, state: TrainState) -> None:
+    latest = ckpt.latest_step() if cfg.checkpoint.enable else None
+    if cfg.checkpoint.enable and cfg.checkpoint.load_step > 0:
+        step_dir = resolve_checkpoint(ckpt.folder, cfg.checkpoint.load_step)
+        ckpt.load(step_dir)
+        logger.info(f"resumed from {step_dir} (step {state.step})")
+    elif latest is not None:
+        # a step-0 folder is a model-only starting point (python -m hybridtitan.import_hf writes one)
+        ckpt.load(os.path.join(ckpt.folder, f"step-{latest}"), model_only=latest == 0)
+        logger.info(f"resumed from {ckpt.folder}/step-{latest} (step {state.step})")
+    elif cfg.checkpoint.initial_load_path:
+        step_dir = resolve_checkpoint(cfg.checkpoint.initial_load_path)
+        ckpt.load(step_dir, model_only=cfg.checkpoint.initial_load_model_only)
+        logger.info(f"initialised from {step_dir}" + (" (model only)" if cfg.checkpoint.initial_load_model_only
+                                                      else f" (step {state.step})"))
+
+
+def _profiler(cfg):
+    p = cfg.profiling
+    if not p.enable_profiling:
+        return contextlib.nullcontext(None)
+    folder = os.path.join(cfg.job.dump_folder, p.save_traces_folder)
+    rank = dist.get_rank()
+
+    def on_trace(prof):
+        os.makedirs(folder, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(folder, f"rank{rank}_step{prof.step_num}.json"))
+        if rank == 0:
+            logger.info("profile: " + prof.key_averages().table(sort_by="self_device_time_total"
+                                                                if torch.cuda.is_available()
+                                                                else "self_cpu_time_total", row_limit=25))
+
+    wait = max(p.profile_freq - p.profiler_active - p.profiler_warmup, 0)
+    return torch.profiler.profile(
+        schedule=torch.profiler.schedule(wait=wait, warmup=p.profiler_warmup, active=p.profiler_active, repeat=1),
+        on_trace_ready=on_trace, record_shapes=True)
+
+
+def _loop(cfg, plan, model, optimizer, lr_scheduler, dataloader, state, ckpt, metrics, stop, device) -> dict:
+    t = cfg.training
+    data_iter = iter(dataloader)
+    tokens_per_step_local = t.local_batch_size * t.seq_len * plan.grad_accum
+    gc.disable()
+    gc.collect()
+    window_time, window_steps, loss_sum = 0.0, 0, None
+    last: dict = {}
+    with _profiler(cfg) as prof:
+        while state.step < t.steps:
+            state.step += 1
+            t0 = time.perf_counter()
+            loss_acc = torch.zeros((), device=device)
+            for _ in range(plan.grad_accum):
+                batch = next(data_iter)
+                input_ids = batch["input_ids"].to(device, non_blocking=True)
+                labels = batch["labels"].to(device, non_blocking=True)
+                cu = batch.get("cu_seqlens")
+                cu = cu.to(device, dtype=torch.long, non_blocking=True) if cu is not None else None
+                loss = model(input_ids, labels=labels, cu_seqlens=cu) / plan.grad_accum
+                loss.backward()
+                loss_acc += loss.detach()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm, foreach=True)
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+            if torch.isfinite(grad_norm):
+                optimizer.step()
+            else:
+                state.skipped_steps += 1
+                logger.warning(f"step {state.step}: non-finite gradient norm {grad_norm.item()}, update skipped")
+            lr = optimizer.param_groups[0]["lr"]
+            lr_scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            state.tokens_seen += tokens_per_step_local * plan.dp.size
+            loss_sum = loss_acc if loss_sum is None else loss_sum + loss_acc
+            if prof is not None:
+                prof.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            window_time += time.perf_counter() - t0
+            window_steps += 1
+
+            if state.step % cfg.metrics.log_freq == 0 or state.step == t.steps or stop.requested:
+                mean_loss = loss_sum / window_steps
+                dist.all_reduce(mean_loss)  # a sum (gloo has no average)
+                mean_loss /= dist.get_world_size()
+                last = metrics.log(state.step, loss=mean_loss.item(), grad_norm=grad_norm.item(),
+                                   lr=lr,
+                                   tokens_per_step=tokens_per_step_local, window_steps=window_steps,
+                                   window_time=window_time,
+                                   tokens_seen=state.tokens_seen, skipped_steps=state.skipped_steps)
+                if not math.isfinite(last["loss"]):
+                    raise FloatingPointError(f"step {state.step}: the loss is {last['loss']}; stopping (the last "
+                                             "checkpoint is intact)")
+                window_time, window_steps, loss_sum = 0.0, 0, None
+            if state.step % t.gc_freq == 0:
+                gc.collect()
+            if ckpt.should_save(state.step, last=state.step == t.steps or stop.requested):
+                ckpt.save(state.step)
+            if stop.requested:
+                logger.warning(f"stopped at step {state.step} on request")
+                break
+    return last
+
+
+def _quiet_known_warnings() -> None:
+    """Warnings of dependencies that say nothing about this run."""
+    for message in ("DTensor random operators may not have complete support",  # no random op on DTensors here
+                    "'set_vital' is deprecated",  # torchdata 0.11 on torch >= 2.12
+                    "Triton is not supported on current platform"):  # FLA imported on a CPU machine
+        warnings.filterwarnings("ignore", message=message)
+
+
+def main(argv: list[str] | None = None) -> None:
+    _quiet_known_warnings()
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        cfg = parse_config(argv)
+        plan = preflight(cfg)
+    except ConfigError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    train(cfg, plan)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Tokenize a text dataset once into Megatron .bin/.idx shards, for `data.source = "megatron"`.
+
+    # FineWeb-Edu, 10B-token sample (online):
+    python scripts/prepare_data.py --dataset HuggingFaceFW/fineweb-edu --name sample-10BT \\
+        --tokenizer hybridtitan/assets/tokenizer --output data/fineweb_edu/train --workers 32
+    # local files (offline):
+    python scripts/prepare_data.py --dataset "corpus/*.jsonl" --tokenizer hybridtitan/assets/tokenizer \\
+        --output data/corpus/train
+
+writes PREFIX_00000.bin/.idx, PREFIX_00001.bin/.idx, ... (a new shard every --shard-size-tokens tokens), then
+prints the `data.path` to train on. Each document is one sequence of its tokens, with NO EOS: packing
+(hybridtitan/data/packing.py) appends EOS after every document, for this data and for text tokenized on the
+fly alike. Empty documents are left out. Without --streaming the dataset is downloaded (FineWeb-Edu sample-10BT:
+about 30 GB) and its tokens are cached by datasets (4 bytes a token) before the shards (2 bytes a token for
+vocabularies under 65500) are written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from hybridtitan.data.config import Data  # noqa: E402
+from hybridtitan.data.megatron import MegatronWriter  # noqa: E402
+from hybridtitan.data.sources import load_hf_dataset  # noqa: E402
+from hybridtitan.data.tokenizer import build_tokenizer, encode_batch  # noqa: E402
+
+BATCH = 1000
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dataset", required=True,
+                   help="hub dataset name, local folder, or local file/glob (.json/.jsonl/.parquet/.txt)")
+    p.add_argument("--name", default="", help="dataset config name (e.g. sample-10BT)")
+    p.add_argument("--split", default="train")
+    p.add_argument("--text-field", default="text")
+    p.add_argument("--tokenizer", required=True, help="tokenizer folder or hub name")
+    p.add_argument("--output", required=True, help="output path prefix: PREFIX_00000.bin/.idx, ...")
+    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                   help="tokenizer processes (datasets .map num_proc)")
+    p.add_argument("--shard-size-tokens", type=int, default=1_000_000_000, help="tokens per output shard")
+    p.add_argument("--limit-docs", type=int, default=0, help="only the first N documents (0: all)")
+    p.add_argument("--streaming", action="store_true",
+                   help="stream the dataset (no full download; tokenizes in this process, with threads)")
+    return p.parse_args(argv)
+
+
+def tokenized_batches(args, tok):
+    """(number of documents or None, iterator over lists of token-id lists)."""
+    cfg = Data(tokenizer=args.tokenizer, source="hf", path=args.dataset, name=args.name, split=args.split,
+               text_field=args.text_field, streaming=args.streaming)
+    ds = load_hf_dataset(cfg)
+    field = args.text_field
+    if args.streaming:
+        if args.limit_docs:
+            ds = ds.take(args.limit_docs)
+        batches = (encode_batch(tok, [t or "" for t in b[field]]) for b in ds.iter(batch_size=BATCH))
+        return args.limit_docs or None, batches
+    if args.limit_docs:
+        ds = ds.select(range(min(args.limit_docs, len(ds))))
+    if args.workers > 1:
+        # Each .map process tokenizes on its own; Rust threads inside forked processes would only contend.
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    import datasets
+
+    # int32 ids in the map's cache (datasets would store int64): 4 bytes a token on disk until the shards are written.
+    features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))})
+    ds = ds.map(lambda b: {"input_ids": encode_batch(tok, [t or "" for t in b[field]])}, batched=True,
+                batch_size=BATCH, num_proc=args.workers if args.workers > 1 else None,
+                remove_columns=ds.column_names, features=features, desc="tokenizing")
+    return len(ds), (b["input_ids"] for b in ds.iter(batch_size=BATCH))
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.shard_size_tokens < 1:
+        raise SystemExit("--shard-size-tokens must be positive")
+    existing = sorted(glob.glob(glob.escape(args.output) + "_[0-9][0-9][0-9][0-9][0-9].*"))
+    if existing:
+        # A stale shard from an earlier run would be picked up by the PREFIX_* glob and mixed into training.
+        raise SystemExit(f"error: {existing[0]} already exists: remove the old shards or choose another --output")
+    try:
+        tok = build_tokenizer(args.tokenizer)
+        total, batches = tokenized_batches(args, tok)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+
+    from tqdm import tqdm
+
+    start, shards, docs, empty, tokens = time.time(), [], 0, 0, 0
+    writer = None
+    with tqdm(total=total, unit="doc", desc="writing", dynamic_ncols=True) as bar:
+        for batch in batches:
+            for ids in batch:
+                if not ids:
+                    empty += 1
+                    continue
+                if writer is None:
+                    writer = MegatronWriter(f"{args.output}_{len(shards):05d}", vocab_size=len(tok))
+                    shards.append(writer.prefix)
+                writer.add_document(ids)
+                docs, tokens = docs + 1, tokens + len(ids)
+                if writer.num_tokens >= args.shard_size_tokens:
+                    writer.finalize()
+                    writer = None
+            bar.update(len(batch))
+            bar.set_postfix(tokens=f"{tokens / 1e6:.1f}M", shards=len(shards))
+    if writer is not None:
+        writer.finalize()
+    if not shards:
+        raise SystemExit("error: no non-empty documents: nothing written")
+    print(f"{docs} documents, {tokens} tokens ({empty} empty documents left out) in {len(shards)} shard(s), "
+          f"{time.time() - start:.0f} s")
+    print(f'train on them with:  [data] source = "megatron"  path = "{args.output}_*"')
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Creates .venv (once) with the CPU build of torch 2.13.0 and hybridtitan, at the tested versions.
+# Sourced by quickstart.sh and run_tests.sh. torch is installed first and pinned: a range that admits a newer
+# release would pull a multi-GB CUDA build onto a CPU machine.
+set -euo pipefail
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+# shellcheck disable=SC1091
+source .venv/bin/activate
+if ! python -c "import hybridtitan, torch, fla, lm_eval" 2>/dev/null; then
+  echo "setting up .venv (torch 2.13.0 CPU + hybridtitan and its dependencies)..."
+  python -m pip install -q --disable-pip-version-check torch==2.13.0
+  python -m pip install -q --disable-pip-version-check -c constraints-cpu.txt -e ".[test]"
+fi
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false

@@ -1,0 +1,364 @@
+"""Data pipeline: packing, determinism, sharding, exact resume, Megatron files, prepare_data.py, bad input.
+Everything is built in tmp folders (a tiny BPE tokenizer, tiny jsonl files): no network, no repo assets."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import struct
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+from hybridtitan.data import Data, MegatronWriter, build_dataloader, build_tokenizer, validate_data_config  # noqa: E402
+from hybridtitan.data.megatron import MegatronDataset  # noqa: E402
+from hybridtitan.data.packing import Packer, cu_seqlens, document_starts, with_eos  # noqa: E402
+from hybridtitan.data.sources import HFSource, MegatronSource, ShardedDocuments, load_hf_dataset  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")  # torchdata 0.11 on torch 2.13
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = ("the quick brown fox jumps over a lazy dog while seven hybrid models learn to predict every next token "
+         "from long documents packed into windows").split()
+
+
+def make_texts(n: int, seed: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, size=int(rng.integers(3, 40)))) for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def tok_dir(tmp_path_factory) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator(make_texts(200, 0), trainer)
+    path = tmp_path_factory.mktemp("tokenizer")
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>").save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tok(tok_dir):
+    return build_tokenizer(tok_dir)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> dict:
+    """train.jsonl (60 documents, one empty) and validation.jsonl in one folder."""
+    folder = tmp_path_factory.mktemp("corpus")
+    texts = make_texts(60, 1)
+    texts[7] = ""  # an empty document: skipped, never a lone EOS
+    for name, rows in (("train", texts), ("validation", make_texts(10, 2))):
+        with open(folder / f"{name}.jsonl", "w") as f:
+            for i, t in enumerate(rows):
+                f.write(json.dumps({"id": i, "text": t}) + "\n")
+    return {"folder": str(folder), "train": str(folder / "train.jsonl"), "texts": texts}
+
+
+@pytest.fixture(scope="session")
+def megatron_prefix(tmp_path_factory, tok, corpus) -> str:
+    """The train corpus tokenized into two Megatron files (prefix glob returned)."""
+    folder = tmp_path_factory.mktemp("megatron")
+    ids = tok(corpus["texts"], add_special_tokens=False)["input_ids"]
+    for k, part in enumerate((ids[:25], ids[25:])):
+        with MegatronWriter(str(folder / f"train_{k:05d}"), vocab_size=len(tok)) as w:
+            for doc in part:
+                if doc:
+                    w.add_document(doc)
+    return str(folder / "train_*")
+
+
+def take(loader, n: int) -> list[dict]:
+    it = iter(loader)
+    return [next(it) for _ in range(n)]
+
+
+def same(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+                                    for x, y in zip(a, b))
+
+
+def loader_for(kind: str, tok, corpus, megatron_prefix, *, rank=0, world=1, seed=0, seq_len=16, batch=4, **data):
+    cfg = {"hf": Data(source="hf", path=corpus["train"]),
+           "hf-folder": Data(source="hf", path=corpus["folder"]),
+           "hf-stream": Data(source="hf", path=corpus["train"], streaming=True, shuffle=False),
+           "megatron": Data(source="megatron", path=megatron_prefix),
+           "mock": Data(source="mock")}[kind]
+    for k, v in data.items():
+        setattr(cfg, k, v)
+    return build_dataloader(cfg, tok, seq_len=seq_len, local_batch_size=batch, dp_rank=rank, dp_world_size=world,
+                            seed=seed, vocab_size=512)
+
+
+# ---------------------------------------------------------------------------------------------------- packing
+
+
+class ListDocuments:
+    """A minimal document cursor over a fixed list (wrapping), for packing tests."""
+
+    shard, num_shards = 0, 1
+
+    def __init__(self, docs):
+        self.docs, self.i = docs, 0
+
+    def next_document(self):
+        doc = self.docs[self.i % len(self.docs)]
+        self.i += 1
+        return np.asarray(doc)
+
+    def state_dict(self):
+        return {"i": self.i, "shard": 0, "num_shards": 1}
+
+    def load_state_dict(self, state):
+        self.i = state["i"]
+
+
+def test_packing_hand_made():
+    packer = Packer(ListDocuments([[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]]), seq_len=4, eos=0)
+    windows = [packer.next_window() for _ in range(4)]
+    # stream: 1 2 3 0 | 4 5 0 | 6 7 8 9 10 0 | 1 2 3 0 ...; consecutive windows share one token
+    assert [w.tolist() for w in windows] == [[1, 2, 3, 0, 4], [4, 5, 0, 6, 7], [7, 8, 9, 10, 0], [0, 1, 2, 3, 0]]
+    assert document_starts(windows[0][:-1], 0).tolist() == [0]
+    assert document_starts(windows[1][:-1], 0).tolist() == [0, 3]
+    assert document_starts(windows[3][:-1], 0).tolist() == [0, 1]
+    batch = torch.from_numpy(np.stack([w[:-1] for w in windows]))
+    assert cu_seqlens(batch, 0).tolist() == [0, 4, 7, 8, 12, 13, 16]
+    assert cu_seqlens(batch, 0).dtype == torch.int32
+    # EOS is not doubled after a document that already ends with it (Megatron --append-eod data)
+    assert with_eos([5, 6, 0], 0).tolist() == [5, 6, 0] and with_eos([5, 6], 0).tolist() == [5, 6, 0]
+
+
+def test_packer_resume_mid_document():
+    docs = [list(range(1, 30)), [40, 41], list(range(50, 75))]
+    a = Packer(ListDocuments(docs), seq_len=8, eos=0)
+    [a.next_window() for _ in range(2)]  # stops inside the first document
+    state = a.state_dict()
+    assert state["offset"] > 0 and state["documents"] == {"i": 0, "shard": 0, "num_shards": 1}
+    expected = [a.next_window() for _ in range(6)]
+    b = Packer(ListDocuments(docs), seq_len=8, eos=0)
+    b.load_state_dict(state)
+    assert all(np.array_equal(x, y) for x, y in zip(expected, [b.next_window() for _ in range(6)]))
+
+
+def test_loader_stream_is_documents_with_eos(tok, corpus, megatron_prefix):
+    """Without shuffle, on one rank, the batches are exactly the documents, each followed by EOS, end to end."""
+    eos = tok.eos_token_id
+    stream = []
+    for t in corpus["texts"]:
+        ids = tok(t, add_special_tokens=False)["input_ids"]
+        if ids:
+            stream += ids + [eos]
+    loader = loader_for("hf", tok, corpus, megatron_prefix, shuffle=False, document_boundaries=True)
+    batches = take(loader, 5)
+    rows = [r for b in batches for r in zip(b["input_ids"], b["labels"])]
+    for k, (inputs, labels) in enumerate(rows):
+        window = stream[16 * k:16 * k + 17]  # windows of seq_len + 1, sharing one token
+        assert inputs.tolist() == window[:-1] and labels.tolist() == window[1:]
+    for b in batches:
+        assert b["input_ids"].dtype == torch.long and b["input_ids"].shape == (4, 16)
+        assert torch.equal(b["labels"][:, :-1], b["input_ids"][:, 1:])
+        ids, cu = b["input_ids"], b["cu_seqlens"]
+        flat = ids.flatten()
+        expected = [p for p in range(ids.numel()) if p % 16 == 0 or flat[p - 1] == eos] + [ids.numel()]
+        assert cu.tolist() == expected
+    # the megatron copy of the same corpus gives the same stream
+    assert same(take(loader_for("megatron", tok, corpus, megatron_prefix, shuffle=False, document_boundaries=True), 5),
+                batches)
+
+
+# ------------------------------------------------------------------------------------- determinism, sharding
+
+
+@pytest.mark.parametrize("kind", ["hf", "megatron", "mock"])
+def test_deterministic_for_a_seed(kind, tok, corpus, megatron_prefix):
+    a = take(loader_for(kind, tok, corpus, megatron_prefix, seed=3), 6)
+    assert same(a, take(loader_for(kind, tok, corpus, megatron_prefix, seed=3), 6))
+    assert not same(a, take(loader_for(kind, tok, corpus, megatron_prefix, seed=4), 6))
+
+
+def test_sharding_covers_the_epoch_once(tok, corpus, megatron_prefix):
+    ds = load_hf_dataset(Data(source="hf", path=corpus["train"]))
+    for source in (HFSource(ds, tok, "text"), MegatronSource([megatron_prefix[:-1] + "00000",
+                                                              megatron_prefix[:-1] + "00001"])):
+        everything = Counter(tuple(d.tolist()) for d in source.documents(range(len(source))) if len(d))
+        seen = []
+        for rank in range(2):
+            docs = ShardedDocuments(source, shard=rank, num_shards=2, seed=5, shuffle=True)
+            mine = []
+            while docs.epoch == 0:
+                mine.append(tuple(docs.next_document().tolist()))
+                if docs.pos >= docs._length():
+                    break
+            seen.append(Counter(mine))
+        assert not (set(seen[0]) & set(seen[1])), "the two ranks share documents"
+        assert seen[0] + seen[1] == everything
+
+
+def test_epochs_reshuffle(tok, corpus, megatron_prefix):
+    source = MegatronSource([megatron_prefix[:-1] + "00000"])
+    docs = ShardedDocuments(source, shard=0, num_shards=1, seed=0, shuffle=True)
+    order = [docs._global_index(e, p) for e in (0, 1) for p in range(len(source))]
+    assert sorted(order[:len(source)]) == list(range(len(source))) and order[:len(source)] != order[len(source):]
+
+
+# ------------------------------------------------------------------------------------------------ exact resume
+
+
+@pytest.mark.parametrize("kind,boundaries", [("hf", False), ("hf", True), ("hf-folder", False), ("hf-stream", True),
+                                             ("megatron", False), ("megatron", True), ("mock", True)])
+def test_exact_resume(kind, boundaries, tok, corpus, megatron_prefix):
+    n, m = 65, 30  # 60 documents, ~3700 tokens: the state is saved in the second epoch, mid-document
+    loader = loader_for(kind, tok, corpus, megatron_prefix, document_boundaries=boundaries)
+    it = iter(loader)
+    [next(it) for _ in range(n)]
+    state = pickle.loads(pickle.dumps(loader.state_dict()))  # as a checkpoint would store it
+    expected = [next(it) for _ in range(m)]
+    if kind != "hf-stream":
+        assert len(pickle.dumps(state)) < 2048, "the state must be positions, not data"
+    fresh = loader_for(kind, tok, corpus, megatron_prefix, document_boundaries=boundaries)
+    fresh.load_state_dict(state)
+    assert same(take(fresh, m), expected)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, no group: intended
+@pytest.mark.parametrize("kind", ["hf-stream", "megatron"])
+def test_exact_resume_through_dcp(kind, tmp_path, tok, corpus, megatron_prefix):
+    """The trainer checkpoints the loader with DCP, which loads into the live state_dict's structure."""
+    import torch.distributed.checkpoint as dcp
+
+    loader = loader_for(kind, tok, corpus, megatron_prefix, document_boundaries=True)
+    it = iter(loader)
+    [next(it) for _ in range(40)]
+    dcp.save({"dataloader": loader}, checkpoint_id=str(tmp_path / "ckpt"))
+    expected = [next(it) for _ in range(10)]
+    fresh = loader_for(kind, tok, corpus, megatron_prefix, document_boundaries=True)
+    dcp.load({"dataloader": fresh}, checkpoint_id=str(tmp_path / "ckpt"))
+    assert same(take(fresh, 10), expected)
+
+
+def test_exact_resume_with_workers(tok, corpus, megatron_prefix):
+    loader = loader_for("mock", tok, corpus, megatron_prefix, num_workers=2)
+    it = iter(loader)
+    [next(it) for _ in range(5)]
+    state = loader.state_dict()
+    expected = [next(it) for _ in range(6)]
+    fresh = loader_for("mock", tok, corpus, megatron_prefix, num_workers=2)
+    fresh.load_state_dict(state)
+    assert same(take(fresh, 6), expected)
+
+
+@pytest.mark.parametrize("kind", ["hf", "megatron", "mock"])
+def test_resume_world2_state_on_world1(kind, tok, corpus, megatron_prefix, caplog):
+    loader = loader_for(kind, tok, corpus, megatron_prefix, rank=0, world=2)
+    it = iter(loader)
+    [next(it) for _ in range(5)]
+    state = loader.state_dict()
+    docs = state["dataset_state"]["packer"]["documents"]
+    fresh = loader_for(kind, tok, corpus, megatron_prefix, rank=0, world=1)
+    with caplog.at_level(logging.WARNING):
+        fresh.load_state_dict(state)
+        batches = take(fresh, 3)
+    assert all(b["input_ids"].shape == (4, 16) for b in batches)
+    assert "not an exact resume" in caplog.text
+    cursor = fresh.dataset.packer.documents
+    assert cursor.epoch == docs["epoch"] and cursor.pos >= docs["pos"] * 2  # continues where both ranks had got to
+
+
+# ------------------------------------------------------------------------------------------------- Megatron
+
+
+def test_megatron_round_trip(tmp_path):
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 70000, size=int(rng.integers(1, 50))) for _ in range(20)]
+    with MegatronWriter(str(tmp_path / "big"), vocab_size=70000) as w:  # int32 (vocab >= 65500)
+        for d in docs:
+            w.add_document(d)
+    small = [d % 1000 for d in docs]
+    with MegatronWriter(str(tmp_path / "small"), vocab_size=1000) as w:  # uint16
+        for d in small:
+            w.add_document(d)
+    for prefix, expected, code in (("big", docs, 4), ("small", small, 8)):
+        raw = (tmp_path / f"{prefix}.idx").read_bytes()
+        assert raw[:9] == b"MMIDIDX\x00\x00" and struct.unpack("<QBQQ", raw[9:34]) == (1, code, 20, 21)
+        ds = MegatronDataset(str(tmp_path / prefix))
+        assert len(ds) == 20 and ds.document_indices.tolist() == list(range(21))
+        assert all(np.array_equal(ds.doc(i), d) for i, d in enumerate(expected))
+        assert (tmp_path / f"{prefix}.bin").stat().st_size == sum(map(len, expected)) * (4 if code == 4 else 2)
+
+
+def test_megatron_documents_of_several_sequences(tmp_path):
+    """Megatron data preprocessed with sentence splitting: a document spans several sequences."""
+    seqs = [np.array([1, 2], np.int32), np.array([3], np.int32), np.array([4, 5, 6], np.int32)]
+    (tmp_path / "s.bin").write_bytes(b"".join(s.tobytes() for s in seqs))
+    lengths = np.array([2, 1, 3], np.int32)
+    pointers = np.array([0, 8, 12], np.int64)
+    doc_idx = np.array([0, 2, 3], np.int64)
+    (tmp_path / "s.idx").write_bytes(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 4, 3, 3) + lengths.tobytes()
+                                     + pointers.tobytes() + doc_idx.tobytes())
+    ds = MegatronDataset(str(tmp_path / "s"))
+    assert len(ds) == 2 and ds.doc(0).tolist() == [1, 2, 3] and ds.doc(1).tolist() == [4, 5, 6]
+
+
+def test_prepare_data_end_to_end(tmp_path, tok_dir, tok, corpus):
+    out = tmp_path / "out" / "train"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--dataset", corpus["train"],
+                             "--tokenizer", tok_dir, "--output", str(out), "--workers", "2",
+                             "--shard-size-tokens", "500"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f'path = "{out}_*"' in result.stdout
+    shards = sorted(p.name for p in out.parent.glob("*.idx"))
+    assert len(shards) > 1 and shards[0] == "train_00000.idx"
+    source = MegatronSource([str(out.parent / s[:-4]) for s in shards])
+    expected = [ids for ids in tok(corpus["texts"], add_special_tokens=False)["input_ids"] if ids]  # no EOS
+    got = source.documents(range(len(source)))
+    assert len(got) == len(expected) and all(g.tolist() == e for g, e in zip(got, expected))
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+def test_bad_input(tmp_path, tok, tok_dir, corpus, megatron_prefix):
+    def error(cfg, **kw):
+        with pytest.raises(ValueError) as e:
+            build_dataloader(cfg, kw.pop("tokenizer", tok), seq_len=16, local_batch_size=2, dp_rank=0, dp_world_size=1,
+                             seed=0, **kw)
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    assert error(Data(path=str(tmp_path / "nope.jsonl"))).startswith("data.path: no such file or folder")
+    assert error(Data(path=str(tmp_path / "nothing_here/"))).startswith("data.path: no such file or folder")
+    assert error(Data(source="webdataset")).startswith("data.source must be one of hf, megatron, mock")
+    assert error(Data(source="megatron", path=str(tmp_path / "missing"))).startswith("data.path: no Megatron dataset")
+    assert error(Data(path=corpus["train"], text_field="content")).startswith("data.text_field: no column 'content'")
+    msg = error(Data(path=corpus["train"]), vocab_size=100)
+    assert msg == f"tokenizer vocabulary ({len(tok)}) is larger than the model's vocab_size (100)"
+    with pytest.raises(ValueError, match="^data.tokenizer: no such folder"):
+        build_tokenizer(str(tmp_path / "no_tokenizer"))
+    (tmp_path / "empty_tok").mkdir()
+    with pytest.raises(ValueError, match="^data.tokenizer: cannot load"):
+        build_tokenizer(str(tmp_path / "empty_tok"))
+    with pytest.raises(ValueError, match="^data.tokenizer: no such folder"):
+        validate_data_config(Data(tokenizer=str(tmp_path / "no_tokenizer"), path=corpus["train"]))
+    # a state from other data is refused with a hint, not silently misread
+    state = loader_for("megatron", tok, corpus, megatron_prefix).state_dict()
+    other = loader_for("mock", tok, corpus, megatron_prefix)
+    other.load_state_dict(state)  # StatefulDataLoader applies it when the next iterator starts
+    with pytest.raises(ValueError, match="other data"):
+        next(iter(other))

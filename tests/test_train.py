@@ -1,0 +1,210 @@
+"""The trainer, for real: torchrun with 2 processes over gloo, FSDP2, DCP folders, resume, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridtitan import train as train_mod
+from hybridtitan.checkpoint import complete_steps, load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = str(ROOT / "train_configs" / "debug_hybrid.toml")
+# small and quick: 2 x 128 tokens per rank and step
+QUICK = ["--training.seq_len", "128", "--training.local_batch_size", "2", "--training.global_batch_size", "4",
+         "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false"]
+
+
+def _env():
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_train(dump: Path, *extra: str, nproc: int = 2, check: bool = True, timeout: int = 600):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "hybridtitan.train", "--job.config_file", RECIPE, "--job.dump_folder", str(dump), *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def losses(dump: Path) -> dict[int, float]:
+    out = {}
+    for line in (dump / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        out[r["step"]] = r["loss"]
+    return out
+
+
+def state(dump: Path, step: int) -> dict[str, torch.Tensor]:
+    model, _ = load_model(str(dump / "checkpoint" / f"step-{step}"))
+    return model.state_dict()
+
+
+def test_debug_recipe_trains(tmp_path):
+    """The recipe as shipped, on 2 processes: after 200 steps the loss is below 60% of the first step's."""
+    dump = tmp_path / "run"
+    run_train(dump, "--metrics.log_freq", "1", "--checkpoint.enable", "false", timeout=900)
+    loss = losses(dump)
+    assert sorted(loss) == list(range(1, 201))
+    assert loss[200] < 0.6 * loss[1], (loss[1], loss[200])
+
+
+def test_exact_resume_and_reshard(tmp_path):
+    """20 steps straight == 10 steps, stop, resume to 20 (bitwise: every loss of steps 11-20 and the weights).
+    A checkpoint saved on 2 ranks then resumes on 1 rank and the loss carries on."""
+    straight, resumed2 = tmp_path / "straight", tmp_path / "resumed"
+    common = [*QUICK, "--checkpoint.enable", "true", "--checkpoint.interval", "10", "--lr_scheduler.total_steps", "20"]
+    run_train(straight, *common, "--training.steps", "20")
+    # the resumed run: first 10 steps, a stop, then a second launch from the step-10 checkpoint
+    run_train(resumed2, *common, "--training.steps", "10")
+    assert complete_steps(str(resumed2 / "checkpoint")) == [10]
+    run_train(resumed2, *common, "--training.steps", "20")
+    a, b = losses(straight), losses(resumed2)
+    for step in range(11, 21):
+        assert a[step] == b[step], (step, a[step], b[step])
+    sa, sb = state(straight, 20), state(resumed2, 20)
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+
+    # 2 ranks -> 1 rank: runs, continues the curve (not bitwise)
+    one = tmp_path / "one_rank"
+    os.makedirs(one / "checkpoint")
+    os.symlink(straight / "checkpoint" / "step-20", one / "checkpoint" / "step-20")
+    run_train(one, *QUICK, "--training.global_batch_size", "4", "--training.steps", "26",
+              "--checkpoint.enable", "true", "--checkpoint.interval", "100", nproc=1)
+    after = losses(one)
+    assert min(after) == 21 and max(after) == 26
+    assert all(v == v and v < a[1] for v in after.values())  # finite and below the initial loss
+    assert abs(after[21] - a[20]) < 0.5 * a[20]
+
+
+def test_keep_latest_k_and_partial_save_ignored(tmp_path):
+    dump = tmp_path / "run"
+    run_train(dump, *QUICK, "--training.steps", "8", "--checkpoint.enable", "true", "--checkpoint.interval", "2",
+              "--checkpoint.keep_latest_k", "2", nproc=1)
+    ckpt = dump / "checkpoint"
+    assert complete_steps(str(ckpt)) == [6, 8]
+    assert (ckpt / "latest").read_text().strip() == "step-8"
+    assert (ckpt / "step-8" / "model_args.json").is_file()
+    # an interrupted save leaves a .partial folder: resume ignores it and takes step 8
+    (ckpt / "step-10.partial").mkdir()
+    proc = run_train(dump, *QUICK, "--training.steps", "9", "--checkpoint.enable", "true",
+                     "--checkpoint.interval", "100", nproc=1)
+    assert "resumed from" in proc.stdout and "step-8" in proc.stdout
+    assert max(losses(dump)) == 9
+
+
+def test_gradient_accumulation_matches_larger_batch(tmp_path):
+    """local batch 2 x 2 accumulation steps == local batch 4 (same data, same update, up to rounding)."""
+    big, acc = tmp_path / "big", tmp_path / "acc"
+    base = [*QUICK, "--training.steps", "3", "--checkpoint.enable", "false"]
+    run_train(big, *base, "--training.local_batch_size", "4", "--training.global_batch_size", "4", nproc=1)
+    run_train(acc, *base, "--training.local_batch_size", "2", "--training.global_batch_size", "4", nproc=1)
+    lb, la = losses(big), losses(acc)
+    for step in (1, 2, 3):
+        assert abs(lb[step] - la[step]) < 1e-4 * lb[step], (step, lb[step], la[step])
+
+
+def test_hsdp_replicate_mesh(tmp_path):
+    dump = tmp_path / "hsdp"
+    proc = run_train(dump, *QUICK, "--training.steps", "3", "--checkpoint.enable", "true",
+                     "--checkpoint.interval", "3", "--parallelism.data_parallel_replicate_degree", "2")
+    assert "replicate 2 x shard 1" in proc.stdout
+    assert complete_steps(str(dump / "checkpoint")) == [3]
+
+
+def test_sigterm_saves_and_stops(tmp_path):
+    dump = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hybridtitan.train", "--job.config_file", RECIPE, "--job.dump_folder", str(dump),
+           *QUICK, "--training.steps", "100000", "--checkpoint.enable", "true", "--checkpoint.interval", "100000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while not (dump / "metrics.jsonl").exists() or len((dump / "metrics.jsonl").read_text().splitlines()) < 3:
+        assert time.time() < deadline and proc.poll() is None, "training did not start"
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-2000:]
+    steps = complete_steps(str(dump / "checkpoint"))
+    assert len(steps) == 1 and steps[0] == max(losses(dump)) >= 3
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+
+BAD_TOML = {
+    "syntax": "[training\nsteps = 3\n",
+    "unknown_section": "[trainingg]\nsteps = 3\n",
+    "unknown_key": "[training]\nstepz = 3\n",
+    "wrong_type": '[training]\nsteps = "many"\n',
+}
+
+
+def _main_error(capsys, argv):
+    with pytest.raises(SystemExit) as exc:
+        train_mod.main(argv)
+    err = capsys.readouterr().err.strip()
+    return exc.value.code, err
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TOML))
+def test_bad_toml(tmp_path, capsys, case):
+    recipe = tmp_path / "bad.toml"
+    recipe.write_text(BAD_TOML[case])
+    code, err = _main_error(capsys, ["--job.config_file", str(recipe), "--job.dump_folder", str(tmp_path / "d")])
+    assert code == 2
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert {"syntax": "TOML syntax error", "unknown_section": "unknown section 'trainingg'",
+            "unknown_key": "unknown key 'training.stepz'", "wrong_type": "training.steps must be int"}[case] in err
+    assert not (tmp_path / "d").exists()
+
+
+BAD_CLI = {
+    "cli_wrong_type": (["--training.steps", "many"], "training.steps"),
+    "cli_unknown_key": (["--training.stepz", "3"], "unknown option --training.stepz"),
+    "missing_data": (["--data.path", "/nonexistent/corpus.jsonl"], "data.path"),
+    "vocab_too_small": (["--model.vocab_size", "1000"], "larger than the model's vocab_size (1000)"),
+    "seq_len_zero": (["--training.seq_len", "0"], "training.seq_len must be positive"),
+    "steps_negative": (["--training.steps", "-5"], "training.steps must be positive"),
+    "batch_not_divisible": (["--training.local_batch_size", "3", "--training.global_batch_size", "8"],
+                            "not divisible"),
+    "bad_pattern": (["--model.pattern", "*-M-X-"], "position 4"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CLI))
+def test_bad_cli(tmp_path, capsys, case):
+    """Each problem: one line on stderr, exit code 2, and the existing checkpoint untouched."""
+    dump = tmp_path / "d"
+    ckpt = dump / "checkpoint" / "step-5"
+    ckpt.mkdir(parents=True)
+    (ckpt / ".metadata").write_text("x")
+    before = {p: p.stat().st_mtime_ns for p in dump.rglob("*")}
+    argv, expected = BAD_CLI[case]
+    code, err = _main_error(capsys, ["--job.config_file", RECIPE, "--job.dump_folder", str(dump), *argv])
+    assert code == 2
+    assert err.startswith("error: ") and "\n" not in err and expected in err, err
+    assert {p: p.stat().st_mtime_ns for p in dump.rglob("*")} == before
+
+
+def test_bad_input_subprocess_no_traceback(tmp_path):
+    """The real command line: exit code 2, one stderr line, no traceback."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "hybridtitan.train", "--job.config_file", RECIPE, "--training.steps", "0",
+         "--job.dump_folder", str(tmp_path / "d")], cwd=ROOT, env=_env(), capture_output=True, text=True)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == ["error: training.steps must be positive, got 0"], proc.stderr
+    assert not (tmp_path / "d").exists()
