@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from hybridtitan.models import HybridLM, ModelArgs, build_model
@@ -96,8 +97,10 @@ def resolve_checkpoint(path: str, step: int | None = None) -> str:
                 raise CheckpointError(f"step {step} not found in {folder}; complete steps: "
                                       f"{', '.join(map(str, steps))}")
             return os.path.join(folder, f"step-{step}")
-    if os.path.basename(path.rstrip("/")).endswith(".partial") or any(
-            n.endswith(".partial") for n in os.listdir(path) if os.path.isdir(path)):
+    partial = path.rstrip("/").endswith(".partial") or any(
+        name.endswith(".partial") for folder in (path, os.path.join(path, "checkpoint")) if os.path.isdir(folder)
+        for name in os.listdir(folder))
+    if partial:
         raise CheckpointError(f"{path} holds only an incomplete checkpoint (an interrupted save)")
     raise CheckpointError(f"{path} is not a checkpoint: no .metadata and no step-N folders")
 
@@ -117,10 +120,19 @@ def load_model(path: str, device: str | torch.device = "cpu", dtype: torch.dtype
     state = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
     try:
         dcp.load({"model": state}, checkpoint_id=step_dir, no_dist=True)
-    except Exception as e:  # a partial or foreign folder: name it in one line
-        raise CheckpointError(f"cannot read the model from {step_dir}: {str(e).splitlines()[0]}") from None
+    except (Exception, CheckpointException) as e:  # a damaged or foreign folder: name it in one line
+        raise CheckpointError(f"cannot read the model from {step_dir}: {_first_failure(e)}") from None
     model.load_state_dict(state, strict=True)
     return model.to(dtype), step_dir
+
+
+def _first_failure(e: BaseException) -> str:
+    """DCP wraps per-rank errors in a CheckpointException (a BaseException) whose text is a rank listing."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        e = next(iter(failures.values()))
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
 
 
 def save_model_checkpoint(model: HybridLM, step_dir: str) -> None:

@@ -260,6 +260,7 @@ def _loop(cfg, plan, model, optimizer, lr_scheduler, dataloader, state, ckpt, me
     gc.disable()
     gc.collect()
     window_time, window_steps, loss_sum = 0.0, 0, None
+    start_step = state.step
     last: dict = {}
     with _profiler(cfg) as prof:
         while state.step < t.steps:
@@ -295,7 +296,9 @@ def _loop(cfg, plan, model, optimizer, lr_scheduler, dataloader, state, ckpt, me
             window_time += time.perf_counter() - t0
             window_steps += 1
 
-            if state.step % cfg.metrics.log_freq == 0 or state.step == t.steps or stop.requested:
+            # the first step is always reported: it shows the initial loss and the start-up cost
+            if state.step % cfg.metrics.log_freq == 0 or state.step in (1, t.steps) or stop.requested \
+                    or state.step == start_step + 1:
                 mean_loss = loss_sum / window_steps
                 dist.all_reduce(mean_loss)  # a sum (gloo has no average)
                 mean_loss /= dist.get_world_size()

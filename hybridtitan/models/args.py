@@ -114,7 +114,8 @@ class ModelArgs:
                 m = self.mamba2
                 if (self.dim * m.expand) % m.head_dim:
                     raise ValueError(
-                        f"model.mamba2: dim * expand ({self.dim * m.expand}) must be a multiple of head_dim ({m.head_dim})"
+                        f"model.mamba2: dim * expand ({self.dim * m.expand}) must be a multiple of head_dim "
+                        f"({m.head_dim})"
                     )
                 n_heads = self.dim * m.expand // m.head_dim
                 if n_heads % m.n_groups:

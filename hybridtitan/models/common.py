@@ -6,6 +6,7 @@ import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from hybridtitan import ops
 
@@ -50,16 +51,37 @@ class ShortConvolution(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, 1, width))
         self.bias = nn.Parameter(torch.zeros(channels)) if bias else None
 
-    def forward(self, x, cu_seqlens=None, cache=None, key=None):
+    def forward(self, x, cu_seqlens=None, cache=None, key="conv"):
         """x: [B, T, D]. With a cache, the state under ``key`` is read and replaced (decoding)."""
-        state = cache.get(key) if cache is not None else None
-        y, new_state = ops.causal_conv1d(
-            x, self.weight.squeeze(1), self.bias, "silu", cu_seqlens=cu_seqlens, initial_state=state,
-            output_final_state=cache is not None,
-        )
-        if cache is not None:
-            cache[key] = new_state
-        return y
+        return fused_short_conv(x, [self], cu_seqlens, cache, key)
+
+
+def fused_linear(x: torch.Tensor, *groups: nn.Linear | tuple[nn.Linear, ...]) -> list[torch.Tensor]:
+    """The outputs of several bias-free projections of the same input, from one matrix product; a tuple of
+    projections comes back as one tensor (their outputs side by side).
+
+    The projections stay separate parameters (their names and shapes are the published layouts'); one product
+    instead of several small ones saves kernel launches and reads x once (a mixer's 1-wide gate projections
+    alone would be two launches that barely use the GPU)."""
+    groups = [g if isinstance(g, tuple) else (g,) for g in groups]
+    layers = [layer for g in groups for layer in g]
+    weight = torch.cat([layer.weight for layer in layers]) if len(layers) > 1 else layers[0].weight
+    return list(F.linear(x, weight).split([sum(layer.out_features for layer in g) for g in groups], dim=-1))
+
+
+def fused_short_conv(x: torch.Tensor, convs: list[ShortConvolution], cu_seqlens=None, cache=None,
+                     key: str = "conv") -> torch.Tensor:
+    """Several short convolutions over the channel blocks of ``x``, as one convolution (depthwise: each channel
+    has its own filter, so concatenating the filters is exact)."""
+    weight = torch.cat([c.weight for c in convs]).squeeze(1)
+    biases = [c.bias for c in convs]
+    bias = torch.cat(biases) if all(b is not None for b in biases) else None
+    state = cache.get(key) if cache is not None else None
+    y, new_state = ops.causal_conv1d(x, weight, bias, "silu", cu_seqlens=cu_seqlens, initial_state=state,
+                                     output_final_state=cache is not None)
+    if cache is not None:
+        cache[key] = new_state
+    return y
 
 
 class SwiGLU(nn.Module):
@@ -72,7 +94,8 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor, **_) -> torch.Tensor:
-        return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
+        gate, up = fused_linear(x, self.gate_proj, self.up_proj)
+        return self.down_proj(ops.swiglu(gate, up))
 
 
 @torch.no_grad()

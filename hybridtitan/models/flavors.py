@@ -49,7 +49,7 @@ def _flavors() -> dict[str, ModelArgs]:
                                kda=KDAArgs(num_heads=4, head_dim=16, head_v_dim=32)),
         "debug_mamba2": ModelArgs(vocab_size=8192, dim=128, n_layers=4, ffn_dim=384, mixer="mamba2",
                                   mamba2=Mamba2Args(d_state=16, head_dim=32, n_groups=2, expand=2)),
-        "debug_hybrid": ModelArgs(vocab_size=8192, dim=128, n_layers=8, ffn_dim=384, pattern="*-M-M-*-", mixer="gdn",
+        "debug_hybrid": ModelArgs(vocab_size=8192, dim=256, n_layers=8, ffn_dim=768, pattern="*-M-M-*-", mixer="gdn",
                                   gdn=GDNArgs(num_heads=2, num_v_heads=4, head_dim=32, head_v_dim=32),
                                   mla=MLAArgs(num_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16,
                                               qk_rope_head_dim=16, v_head_dim=32)),

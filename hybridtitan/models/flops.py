@@ -32,7 +32,8 @@ def sublayer_params(args: ModelArgs, kind: str) -> dict[str, int]:
         a = args.mla
         qk = a.qk_nope_head_dim + a.qk_rope_head_dim
         q = d * a.q_lora_rank + a.q_lora_rank * a.num_heads * qk if a.q_lora_rank else d * a.num_heads * qk
-        kv = d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank * a.num_heads * (a.qk_nope_head_dim + a.v_head_dim)
+        kv = d * (a.kv_lora_rank + a.qk_rope_head_dim) + \
+            a.kv_lora_rank * a.num_heads * (a.qk_nope_head_dim + a.v_head_dim)
         o = a.num_heads * a.v_head_dim * d
         norms = d + a.kv_lora_rank + (a.q_lora_rank or 0)
         return {"matmul": q + kv + o, "other": norms}

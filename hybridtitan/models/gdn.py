@@ -15,7 +15,7 @@ import torch.nn as nn
 from hybridtitan import ops
 
 from .args import GDNArgs
-from .common import GatedRMSNorm, ShortConvolution, init_dt_bias, init_log_uniform_A
+from .common import GatedRMSNorm, ShortConvolution, fused_linear, fused_short_conv, init_dt_bias, init_log_uniform_A
 
 
 class GatedDeltaNet(nn.Module):
@@ -40,18 +40,18 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, cu_seqlens=None, cache=None, **_) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_conv1d(self.q_proj(x), cu_seqlens, cache, "conv_q").view(B, T, self.num_heads, self.head_dim)
-        k = self.k_conv1d(self.k_proj(x), cu_seqlens, cache, "conv_k").view(B, T, self.num_heads, self.head_dim)
-        v = self.v_conv1d(self.v_proj(x), cu_seqlens, cache, "conv_v").view(B, T, self.num_v_heads, self.head_v_dim)
+        H, HV, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim
+        qkv, g, a, b = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj), self.g_proj, self.a_proj, self.b_proj)
+        qkv = fused_short_conv(qkv, [self.q_conv1d, self.k_conv1d, self.v_conv1d], cu_seqlens, cache)
+        q, k, v = qkv.split([H * K, H * K, HV * V], dim=-1)
         o, state = ops.gated_delta_rule(
-            q, k, v, self.a_proj(x), self.b_proj(x), self.A_log, self.dt_bias, cu_seqlens=cu_seqlens,
-            initial_state=cache.get("recurrent") if cache is not None else None,
+            q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, HV, V), a, b, self.A_log, self.dt_bias,
+            cu_seqlens=cu_seqlens, initial_state=cache.get("recurrent") if cache is not None else None,
             output_final_state=cache is not None,
         )
         if cache is not None:
             cache["recurrent"] = state
-        g = self.g_proj(x).view(B, T, self.num_v_heads, self.head_v_dim)
-        o = self.o_norm(o.to(x.dtype), g)
+        o = self.o_norm(o.to(x.dtype), g.view(B, T, HV, V))
         return self.o_proj(o.reshape(B, T, -1))
 
     @torch.no_grad()

@@ -14,7 +14,7 @@ import torch.nn as nn
 from hybridtitan import ops
 
 from .args import KDAArgs
-from .common import GatedRMSNorm, ShortConvolution, init_dt_bias, init_log_uniform_A
+from .common import GatedRMSNorm, ShortConvolution, fused_linear, fused_short_conv, init_dt_bias, init_log_uniform_A
 
 
 class KimiDeltaAttention(nn.Module):
@@ -42,19 +42,18 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, cu_seqlens=None, cache=None, **_) -> torch.Tensor:
         B, T, _ = x.shape
         H, K, V = self.num_heads, self.head_dim, self.head_v_dim
-        q = self.q_conv1d(self.q_proj(x), cu_seqlens, cache, "conv_q").view(B, T, H, K)
-        k = self.k_conv1d(self.k_proj(x), cu_seqlens, cache, "conv_k").view(B, T, H, K)
-        v = self.v_conv1d(self.v_proj(x), cu_seqlens, cache, "conv_v").view(B, T, H, V)
-        a = self.f_proj(x).view(B, T, H, K)
+        qkv, f, g, b = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj), self.f_proj[0], self.g_proj[0],
+                                    self.b_proj)
+        qkv = fused_short_conv(qkv, [self.q_conv1d, self.k_conv1d, self.v_conv1d], cu_seqlens, cache)
+        q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
         o, state = ops.kda(
-            q, k, v, a, self.b_proj(x), self.A_log, self.dt_bias, cu_seqlens=cu_seqlens,
-            initial_state=cache.get("recurrent") if cache is not None else None,
-            output_final_state=cache is not None,
+            q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V), self.f_proj[1](f).view(B, T, H, K), b,
+            self.A_log, self.dt_bias, cu_seqlens=cu_seqlens,
+            initial_state=cache.get("recurrent") if cache is not None else None, output_final_state=cache is not None,
         )
         if cache is not None:
             cache["recurrent"] = state
-        g = self.g_proj(x).view(B, T, H, V)
-        o = self.o_norm(o.to(x.dtype), g)
+        o = self.o_norm(o.to(x.dtype), self.g_proj[1](g).view(B, T, H, V))
         return self.o_proj(o.reshape(B, T, -1))
 
     @torch.no_grad()

@@ -20,7 +20,7 @@ import torch.nn as nn
 from hybridtitan import ops
 
 from .args import MLAArgs
-from .common import RMSNorm
+from .common import RMSNorm, fused_linear
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
@@ -85,10 +85,14 @@ class MultiLatentAttention(nn.Module):
         B, T, _ = x.shape
         a = self.args
         H = self.num_heads
-        q = self.q_up_proj(self.q_norm(self.q_down_proj(x))) if a.q_lora_rank > 0 else self.q_proj(x)
+        if a.q_lora_rank > 0:
+            q_latent, kv_latent = fused_linear(x, self.q_down_proj, self.kv_down_proj)
+            q = self.q_up_proj(self.q_norm(q_latent))
+        else:
+            q, kv_latent = fused_linear(x, self.q_proj, self.kv_down_proj)
         q = q.view(B, T, H, self.qk_head_dim)
         q_nope, q_rope = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
-        c_kv, k_rope = self.kv_down_proj(x).split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+        c_kv, k_rope = kv_latent.split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
 
         offset = cache["c_kv"].shape[1] if cache is not None and "c_kv" in cache else 0
         if rows > 1:  # packed documents arrive as one row of rows * seq_len: positions restart on each row

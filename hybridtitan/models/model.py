@@ -107,18 +107,23 @@ class HybridLM(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """The reference initialisation: N(0, init_std) for every matrix and convolution (the output layer too),
-        zero biases, unit norms; A_log, dt_bias and D as each mixer specifies."""
-        std = self.args.init_std
+        """The reference initialisation of every module (see ``init_module``)."""
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding, ShortConvolution)):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, (RMSNorm, GatedRMSNorm)):
-                module.reset_parameters()
-            if hasattr(module, "init_special"):
-                module.init_special()
+            init_module(module, self.args.init_std)
+
+
+@torch.no_grad()
+def init_module(module: nn.Module, std: float) -> None:
+    """The reference initialisation of one module's own parameters: N(0, std) for every matrix and convolution
+    (the output layer too), zero biases, unit norms; A_log, dt_bias and D as each mixer specifies."""
+    if isinstance(module, (nn.Linear, nn.Embedding, ShortConvolution)):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, (RMSNorm, GatedRMSNorm)):
+        module.reset_parameters()
+    if hasattr(module, "init_special"):
+        module.init_special()
 
 
 def build_model(args: ModelArgs, device: str | torch.device = "meta") -> HybridLM:

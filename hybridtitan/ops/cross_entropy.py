@@ -23,20 +23,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, n, chunk_size):
             h = hidden[start:start + chunk_size]
             t = targets[start:start + chunk_size]
-            logits = (h @ weight.t()).float()
             valid = t != ignore_index
-            safe_t = torch.where(valid, t, torch.zeros_like(t))
-            lse = torch.logsumexp(logits, dim=-1)
-            target_logit = logits.gather(1, safe_t.unsqueeze(1)).squeeze(1)
-            total += torch.where(valid, lse - target_logit, torch.zeros_like(lse)).sum()
+            safe_t = torch.where(valid, t, torch.zeros_like(t)).unsqueeze(1)
+            logits = (h @ weight.t()).float()
+            target_logit = logits.gather(1, safe_t)
+            # one exponential pass serves the loss and the gradient: e = exp(logits - max), lse = max + log(sum e)
+            peak = logits.max(dim=1, keepdim=True).values
+            e = logits.sub_(peak).exp_()
+            sum_e = e.sum(dim=1, keepdim=True)
+            lse = peak + sum_e.log()
+            total += ((lse - target_logit).squeeze(1) * valid).sum()
             if need_grad:
-                # d loss / d logits = softmax - onehot(target), zero on ignored tokens; reuse the logits' memory
-                probs = logits.sub_(lse.unsqueeze(1)).exp_()
-                probs.scatter_add_(1, safe_t.unsqueeze(1), torch.full_like(lse, -1.0).unsqueeze(1))
-                probs.mul_(valid.unsqueeze(1))
+                # d loss / d logits = softmax - onehot(target), zero on ignored tokens
+                probs = e.mul_(valid.unsqueeze(1) / sum_e)
+                probs.scatter_add_(1, safe_t, -valid.unsqueeze(1).to(probs.dtype))
                 probs = probs.to(hidden.dtype)
                 grad_hidden[start:start + chunk_size] = probs @ weight
-                grad_weight.addmm_(probs.t().float() if probs.dtype != torch.float32 else probs.t(), h.float())
+                if probs.dtype == torch.float32:
+                    grad_weight.addmm_(probs.t(), h)
+                else:  # a low-precision product (fp32 accumulation inside), summed over chunks in fp32
+                    grad_weight.add_(probs.t() @ h)
         if need_grad:
             ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return total

@@ -25,22 +25,30 @@ def _decoding(q: torch.Tensor) -> bool:
     return not torch.is_grad_enabled() and q.shape[1] <= RECURRENT_MAX_TOKENS
 
 
+def _v_first(state):
+    # FLA's layers keep the delta-rule state as [N, H, V, K] (state_v_first=True); the ops' contract is
+    # [N, H, K, V], as the PyTorch reference. Only decoding passes states, so the transposes are tiny.
+    return state.transpose(-1, -2).contiguous() if state is not None else None
+
+
 def gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state, output_final_state):
     fn = fused_recurrent_gated_delta_rule if _decoding(q) else chunk_gated_delta_rule
-    return fn(
+    o, state = fn(
         q=q, k=k, v=v, g=a, beta=b, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True,
-        use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, initial_state=initial_state,
-        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, initial_state=_v_first(initial_state),
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, state_v_first=True,
     )
+    return o, _v_first(state)
 
 
 def kda(q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state, output_final_state):
     fn = fused_recurrent_kda if _decoding(q) else chunk_kda
-    return fn(
+    o, state = fn(
         q=q, k=k, v=v, g=a, beta=b, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True,
-        use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, initial_state=initial_state,
-        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, initial_state=_v_first(initial_state),
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, state_v_first=True,
     )
+    return o, _v_first(state)
 
 
 def simple_gla(q, k, v, g, scale, cu_seqlens, initial_state, output_final_state):

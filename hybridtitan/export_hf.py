@@ -1,0 +1,188 @@
+"""DCP checkpoint -> Hugging Face folder: safetensors, config.json, generation_config.json, tokenizer.
+
+    python -m hybridtitan.export_hf --checkpoint outputs/gdn_300M/checkpoint/step-4768 --output hf/gdn_300M
+
+Reads the model tensors straight from the DCP folder (a step folder, a checkpoint folder or a dump folder: the
+latest complete step, or --step N). Pure GDN and KDA models are written in FLA's own layouts
+(GatedDeltaNetForCausalLM, KDAForCausalLM: ``import fla`` and ``AutoModelForCausalLM.from_pretrained`` load them
+without hybridtitan); every other model (MLA hybrids, Mamba2) for hybridtitan's own classes (``model_type:
+hybridtitan``), registered with the Auto classes when hybridtitan is imported and loadable with
+``trust_remote_code=True`` through ``auto_map`` -- those two small files import hybridtitan, so it must be installed
+where the export is loaded. ``--format hybridtitan`` writes a GDN/KDA model in our layout too.
+
+The folder is written next to the output under a temporary name and renamed into place once complete, so an
+interrupted export leaves nothing that looks finished. An existing output folder is refused unless --overwrite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import warnings
+
+DTYPES = ("bfloat16", "float32", "float16")
+FORMATS = ("auto", "fla", "hybridtitan")
+
+REMOTE_CONFIG = '''"""hybridtitan's Hugging Face config, for trust_remote_code. Requires hybridtitan to be installed."""
+
+from hybridtitan.hf.configuration import HybridTitanConfig  # noqa: F401
+'''
+REMOTE_MODELING = '''"""hybridtitan's Hugging Face model class, for trust_remote_code. Requires hybridtitan to be installed."""
+
+from hybridtitan.hf.modeling import HybridCache, HybridTitanForCausalLM  # noqa: F401
+'''
+AUTO_MAP = {
+    "AutoConfig": "configuration_hybridtitan.HybridTitanConfig",
+    "AutoModelForCausalLM": "modeling_hybridtitan.HybridTitanForCausalLM",
+}
+
+
+def _max_position_embeddings(step_dir: str) -> int:
+    from hybridtitan.checkpoint import JOB_CONFIG_FILE
+
+    try:
+        with open(os.path.join(step_dir, JOB_CONFIG_FILE)) as f:
+            return int(json.load(f)["training"]["seq_len"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return 2048
+
+
+def export(checkpoint: str, output: str, *, step: int | None = None, dtype: str = "bfloat16",
+           tokenizer: str | None = None, overwrite: bool = False, format: str = "auto",
+           max_shard_size: int | None = None) -> str:
+    """Writes the Hugging Face folder ``output`` from a DCP checkpoint; returns the layout written ("fla" or
+    "hybridtitan"). Raises CheckpointError / ConversionError (one line) on bad input, before writing anything."""
+    import torch
+
+    from hybridtitan.checkpoint import load_model_args, resolve_checkpoint
+    from hybridtitan.hf.convert import (
+        DEFAULT_MAX_SHARD_SIZE, ConversionError, checkpoint_tokenizer, fla_config, fla_layout_problem,
+        load_tokenizer, publish_folder, read_dcp_model_state, to_fla_key, write_safetensors,
+    )
+
+    output = os.path.normpath(output)
+    if os.path.exists(output) and not overwrite:
+        raise ConversionError(f"output folder exists: {output} (pass --overwrite to replace it)")
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise ConversionError(f"output exists and is not a folder: {output}")
+    if dtype not in DTYPES:
+        raise ConversionError(f"--dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
+    if format not in FORMATS:
+        raise ConversionError(f"--format must be one of {', '.join(FORMATS)} (got {format!r})")
+    step_dir = resolve_checkpoint(checkpoint, step)
+    try:
+        args = load_model_args(step_dir)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ConversionError(f"cannot read {step_dir}/model_args.json: {e}") from None
+    problem = fla_layout_problem(args)
+    if format == "fla" and problem:
+        raise ConversionError(f"--format fla: {problem}")
+    layout = format if format != "auto" else ("fla" if problem is None else "hybridtitan")
+
+    tok_path = tokenizer or checkpoint_tokenizer(step_dir)
+    if not tok_path:
+        raise ConversionError(f"{step_dir} names no tokenizer (no job_config.json); pass --tokenizer")
+    tok = load_tokenizer(tok_path)
+    if len(tok) > args.vocab_size:
+        raise ConversionError(f"the tokenizer ({len(tok)} tokens, {tok_path}) is larger than the model's vocabulary "
+                              f"({args.vocab_size})")
+    state = read_dcp_model_state(step_dir, args)
+
+    torch_dtype = getattr(torch, dtype)
+    special = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    max_pos = _max_position_embeddings(step_dir)
+    if layout == "fla":
+        tensors = {to_fla_key(k): state.pop(k).to(torch_dtype).contiguous() for k in list(state)}
+        config = fla_config(args, max_position_embeddings=max_pos, dtype=torch_dtype, **special)
+    else:
+        from hybridtitan.hf import HybridTitanConfig
+
+        tensors = {"model." + k: state.pop(k).to(torch_dtype).contiguous() for k in list(state)}
+        config = HybridTitanConfig.from_model_args(args, max_position_embeddings=max_pos, **special)
+        config.architectures = ["HybridTitanForCausalLM"]
+        config.auto_map = dict(AUTO_MAP)
+        config.dtype = torch_dtype
+
+    from transformers import GenerationConfig
+
+    parent = os.path.dirname(os.path.abspath(output))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(output)}.export-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        write_safetensors(tensors, tmp, max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+        config.save_pretrained(tmp)
+        GenerationConfig(**special).save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if layout == "hybridtitan":
+            with open(os.path.join(tmp, "configuration_hybridtitan.py"), "w") as f:
+                f.write(REMOTE_CONFIG)
+            with open(os.path.join(tmp, "modeling_hybridtitan.py"), "w") as f:
+                f.write(REMOTE_MODELING)
+        publish_folder(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return layout
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '10KB' (powers of ten, as Hugging Face) or a number of bytes."""
+    units = {"GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
+    t = text.strip().upper()
+    for unit, scale in units.items():
+        if t.endswith(unit):
+            return int(float(t[: -len(unit)]) * scale)
+    return int(t)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line on stderr ("error: ..."), exit code 2."""
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="python -m hybridtitan.export_hf", description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True, help="a DCP step folder, checkpoint folder or dump folder")
+    p.add_argument("--output", required=True, help="the Hugging Face folder to write")
+    p.add_argument("--step", type=int, default=None, help="the step to export (default: the latest complete one)")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weight dtype (default bfloat16)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the checkpoint's data.tokenizer)")
+    p.add_argument("--format", choices=FORMATS, default="auto",
+                   help="auto: FLA's layout for pure GDN/KDA, hybridtitan's otherwise")
+    p.add_argument("--max_shard_size", type=parse_size, default=None, help="shard past this size (default 5GB)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    return p
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if os.path.exists(args.output) and not args.overwrite:  # before the slow imports
+        fail(f"output folder exists: {os.path.normpath(args.output)} (pass --overwrite to replace it)")
+    warnings.filterwarnings("ignore", message="Triton is not supported")  # FLA on a CPU machine
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP read in one process
+    from hybridtitan.checkpoint import CheckpointError
+    from hybridtitan.hf.convert import ConversionError
+
+    try:
+        layout = export(args.checkpoint, args.output, step=args.step, dtype=args.dtype, tokenizer=args.tokenizer,
+                        overwrite=args.overwrite, format=args.format, max_shard_size=args.max_shard_size)
+    except (CheckpointError, ConversionError) as e:
+        fail(str(e))
+    print(f"exported {args.checkpoint} to {args.output} ({layout} layout, {args.dtype})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,395 @@
+"""Weights and configs between hybridtitan and Hugging Face folders.
+
+Two layouts are written and read:
+
+* FLA's own (``GatedDeltaNetForCausalLM``, ``KDAForCausalLM``) for a pure GDN or KDA stack (pattern ``M-``
+  repeated): FLA block i holds our sublayers 2i (mixer) and 2i+1 (MLP)::
+
+      layers.{2i}.norm.weight     <-> model.layers.{i}.attn_norm.weight
+      layers.{2i}.mixer.<name>    <-> model.layers.{i}.attn.<name>        (same names and shapes as FLA's)
+      layers.{2i+1}.norm.weight   <-> model.layers.{i}.mlp_norm.weight
+      layers.{2i+1}.mlp.<name>    <-> model.layers.{i}.mlp.<name>
+      embeddings.weight, norm.weight  <-> model.embeddings.weight, model.norm.weight
+      lm_head.weight (untied only)    <-> lm_head.weight (FLA ties it to the embedding otherwise)
+
+* hybridtitan's own (``model_type: hybridtitan``) for everything else: HybridLM's names under ``model.``, which
+  are exactly the keys of a DCP checkpoint.
+
+Every failure a person can cause (a missing or foreign folder, a config FLA's layout cannot express) raises
+ConversionError or CheckpointError with one line that says what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import torch
+
+from hybridtitan.checkpoint import CheckpointError, model_args_from_dict
+from hybridtitan.models import GDNArgs, HybridLM, KDAArgs, ModelArgs, build_model
+
+FLA_MODEL_TYPES = {"gdn": "gated_deltanet", "kda": "kda"}
+FLA_ARCHITECTURES = {"gdn": "GatedDeltaNetForCausalLM", "kda": "KDAForCausalLM"}
+OWN_MODEL_TYPE = "hybridtitan"
+SAFE_INDEX = "model.safetensors.index.json"
+SAFE_SINGLE = "model.safetensors"
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # Hugging Face's "5GB"
+
+
+class ConversionError(ValueError):
+    """A model or folder that cannot be converted: reported as one line."""
+
+
+def _first_line(e: BaseException) -> str:
+    failures = getattr(e, "failures", None)  # DCP's CheckpointException wraps the real error of each rank
+    if isinstance(failures, dict) and failures:
+        e = next(iter(failures.values()))[0]
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+# ------------------------------------------------------------------------------------------ FLA names and configs
+
+
+def fla_layout_problem(args: ModelArgs) -> str | None:
+    """Why FLA's GatedDeltaNet/KDA layout cannot hold this model, or None if it can."""
+    if args.mixer not in FLA_MODEL_TYPES:
+        return f"FLA's layouts hold pure GDN or KDA models, not mixer {args.mixer!r}"
+    if args.pattern != "M-" * (args.n_layers // 2):
+        return f"FLA's layouts hold a plain 'M-' repeated stack, not pattern {args.pattern!r}"
+    m = getattr(args, args.mixer)
+    if int(m.head_dim * (m.head_v_dim / m.head_dim)) != m.head_v_dim:  # FLA: head_v_dim = int(head_dim * expand_v)
+        return f"head_v_dim {m.head_v_dim} is not expressible as head_dim {m.head_dim} * expand_v"
+    return None
+
+
+def to_fla_key(key: str) -> str:
+    """Our HybridLM name -> FLA's name (pure GDN/KDA stacks only)."""
+    if key in ("embeddings.weight", "norm.weight"):
+        return "model." + key
+    if key == "lm_head.weight":
+        return key
+    m = re.fullmatch(r"layers\.(\d+)\.(norm\.weight|mixer\.(.+)|mlp\.(.+))", key)
+    if not m:
+        raise ConversionError(f"no FLA name for parameter {key}")
+    j = int(m.group(1))
+    block, mixer_slot = j // 2, j % 2 == 0
+    if m.group(2) == "norm.weight":
+        return f"model.layers.{block}.{'attn_norm' if mixer_slot else 'mlp_norm'}.weight"
+    if m.group(3) is not None and mixer_slot:
+        return f"model.layers.{block}.attn.{m.group(3)}"
+    if m.group(4) is not None and not mixer_slot:
+        return f"model.layers.{block}.mlp.{m.group(4)}"
+    raise ConversionError(f"parameter {key} is not where FLA's layout expects it")
+
+
+def from_fla_key(key: str) -> str | None:
+    """FLA's name -> ours; None for FLA's tied lm_head copy."""
+    if key in ("model.embeddings.weight", "model.norm.weight"):
+        return key[len("model."):]
+    if key == "lm_head.weight":
+        return key
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(attn_norm\.weight|mlp_norm\.weight|attn\.(.+)|mlp\.(.+))", key)
+    if not m:
+        raise ConversionError(f"unexpected tensor {key} in an FLA checkpoint (not a GDN/KDA block)")
+    i = int(m.group(1))
+    if m.group(2) == "attn_norm.weight":
+        return f"layers.{2 * i}.norm.weight"
+    if m.group(2) == "mlp_norm.weight":
+        return f"layers.{2 * i + 1}.norm.weight"
+    if m.group(3) is not None:
+        return f"layers.{2 * i}.mixer.{m.group(3)}"
+    return f"layers.{2 * i + 1}.mlp.{m.group(4)}"
+
+
+def fla_config(args: ModelArgs, *, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+               max_position_embeddings: int = 2048, dtype: torch.dtype | None = None):
+    """FLA's GatedDeltaNetConfig / KDAConfig for a pure GDN/KDA model (built with FLA's own classes)."""
+    problem = fla_layout_problem(args)
+    if problem:
+        raise ConversionError(problem)
+    from fla.models import GatedDeltaNetConfig, KDAConfig  # imported here: FLA takes seconds to import
+
+    m = getattr(args, args.mixer)
+    common = dict(
+        hidden_size=args.dim, num_hidden_layers=args.n_layers // 2, num_heads=m.num_heads, head_dim=m.head_dim,
+        expand_v=m.head_v_dim / m.head_dim, conv_size=m.conv_size, use_short_conv=True, attn_mode="chunk",
+        intermediate_size=args.ffn_dim, hidden_ratio=args.ffn_dim // args.dim if args.ffn_dim % args.dim == 0 else None,
+        hidden_act="swish", norm_eps=args.norm_eps, vocab_size=args.vocab_size,
+        tie_word_embeddings=args.tie_embeddings, initializer_range=args.init_std,
+        max_position_embeddings=max_position_embeddings, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id, use_cache=True,
+    )
+    if args.mixer == "gdn":
+        config = GatedDeltaNetConfig(num_v_heads=m.num_v_heads, use_gate=True, allow_neg_eigval=False,
+                                     output_gate_activation="swish", **common)
+    else:
+        config = KDAConfig(num_v_heads=None, allow_neg_eigval=False, safe_gate=False, **common)
+    config.architectures = [FLA_ARCHITECTURES[args.mixer]]
+    if dtype is not None:
+        config.dtype = dtype
+    return config
+
+
+def model_args_from_fla_config(cfg: dict) -> ModelArgs:
+    """ModelArgs of an FLA GatedDeltaNet/KDA config.json; ConversionError naming the first unsupported field."""
+    model_type = cfg.get("model_type")
+    mixer = {v: k for k, v in FLA_MODEL_TYPES.items()}.get(model_type)
+    if mixer is None:
+        raise ConversionError(f"model_type {model_type!r} is neither gated_deltanet nor kda nor {OWN_MODEL_TYPE}")
+
+    def want(field, ok, default=None):
+        value = cfg.get(field, default)
+        if not ok(value):
+            raise ConversionError(f"config.json: {field}={value!r} is not supported by hybridtitan's {mixer.upper()}")
+        return value
+
+    want("attn", lambda v: not v)  # FLA's interleaved softmax attention: not an MLA, not ours
+    want("attnres_block_size", lambda v: v is None)
+    want("use_short_conv", lambda v: v is True, True)
+    want("allow_neg_eigval", lambda v: not v, False)
+    want("hidden_act", lambda v: v == "swish", "swish")
+    if mixer == "gdn":
+        want("use_gate", lambda v: v is True, True)
+        want("output_gate_activation", lambda v: v in ("swish", "silu"), "swish")
+    else:
+        want("safe_gate", lambda v: not v, False)
+    hidden, heads, head_dim = cfg["hidden_size"], cfg["num_heads"], cfg["head_dim"]
+    expand_v = cfg.get("expand_v", 2.0 if mixer == "gdn" else 1.0)
+    head_v_dim = int(head_dim * expand_v)
+    v_heads = cfg.get("num_v_heads") or heads
+    ffn = cfg.get("intermediate_size")
+    if ffn is None:  # FLA's GatedMLP rule
+        ffn = int(hidden * (cfg.get("hidden_ratio") or 4) * 2 / 3)
+        ffn = 256 * ((ffn + 255) // 256)
+    conv = cfg.get("conv_size", 4)
+    if mixer == "gdn":
+        mixer_args = dict(gdn=GDNArgs(num_heads=heads, num_v_heads=v_heads, head_dim=head_dim, head_v_dim=head_v_dim,
+                                      conv_size=conv))
+    else:
+        if v_heads != heads:
+            raise ConversionError(f"config.json: num_v_heads={v_heads} != num_heads={heads} is not supported by "
+                                  "hybridtitan's KDA")
+        mixer_args = dict(kda=KDAArgs(num_heads=heads, head_dim=head_dim, head_v_dim=head_v_dim, conv_size=conv))
+    L = cfg["num_hidden_layers"]
+    try:
+        return ModelArgs(vocab_size=cfg["vocab_size"], dim=hidden, n_layers=2 * L, ffn_dim=ffn, pattern="M-" * L,
+                         mixer=mixer, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                         norm_eps=cfg.get("norm_eps", 1e-6), init_std=cfg.get("initializer_range", 0.02), **mixer_args)
+    except ValueError as e:
+        raise ConversionError(f"config.json: {_first_line(e)}") from None
+
+
+# ------------------------------------------------------------------------------------------ reading a DCP folder
+
+
+def read_dcp_model_state(step_dir: str, args: ModelArgs) -> dict[str, torch.Tensor]:
+    """The model tensors of a DCP step folder, under HybridLM's names, in their stored dtype, read straight from
+    the folder (no model is built). CheckpointError if the folder lacks a tensor or disagrees with model_args."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = dcp.FileSystemReader(step_dir).read_metadata()
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 -- a partial or foreign folder: one line
+        raise CheckpointError(f"cannot read the checkpoint metadata of {step_dir}: {_first_line(e)}") from None
+    stored = {k[len("model."):]: v for k, v in metadata.state_dict_metadata.items()
+              if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    expected = {k: tuple(v.shape) for k, v in build_model(args, "meta").state_dict().items()}
+    missing = sorted(set(expected) - set(stored))
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise CheckpointError(f"{step_dir} lacks model tensor {missing[0]}{more} that its model_args.json implies")
+    for key, shape in expected.items():
+        if tuple(stored[key].size) != shape:
+            raise CheckpointError(f"{step_dir}: tensor {key} has shape {tuple(stored[key].size)}, but model_args.json "
+                                  f"implies {shape}")
+    state = {k: torch.empty(tuple(stored[k].size), dtype=stored[k].properties.dtype) for k in expected}
+    try:
+        dcp.load({"model": state}, checkpoint_id=step_dir, no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 -- CheckpointException is a BaseException
+        raise CheckpointError(f"cannot read the model from {step_dir}: {_first_line(e)}") from None
+    return state
+
+
+def model_from_state(args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                     device: str | torch.device = "cpu", source: str = "") -> HybridLM:
+    model = build_model(args, "meta")
+    model.to_empty(device=device)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        detail = " ".join(str(e).split())
+        raise ConversionError(f"the weights{' of ' + source if source else ''} do not fit the model: {detail[:300]}") from None
+    return model.to(dtype)
+
+
+# ------------------------------------------------------------------------------------------ Hugging Face folders
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], folder: str,
+                      max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> list[str]:
+    """model.safetensors, or shards model-0000i-of-0000n.safetensors and an index once past max_shard_size."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t.contiguous()
+        size += nbytes
+    umask = os.umask(0)
+    os.umask(umask)
+
+    def save(shard, name):
+        path = os.path.join(folder, name)
+        save_file(shard, path, metadata={"format": "pt"})
+        os.chmod(path, 0o666 & ~umask)  # safetensors creates its files private (0600)
+
+    if len(shards) == 1:
+        save(shards[0], SAFE_SINGLE)
+        return [SAFE_SINGLE]
+    names, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save(shard, name)
+        names.append(name)
+        weight_map.update({k: name for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with open(os.path.join(folder, SAFE_INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return names + [SAFE_INDEX]
+
+
+def is_hf_folder(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json"))
+
+
+def read_hf_tensors(folder: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face folder: model.safetensors, sharded safetensors, or pytorch_model.bin."""
+    from safetensors.torch import load_file
+
+    index = os.path.join(folder, SAFE_INDEX)
+    try:
+        if os.path.isfile(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+            tensors = {}
+            for name in files:
+                path = os.path.join(folder, name)
+                if not os.path.isfile(path):
+                    raise ConversionError(f"{folder}: shard {name} named in {SAFE_INDEX} is missing")
+                tensors.update(load_file(path))
+            return tensors
+        if os.path.isfile(os.path.join(folder, SAFE_SINGLE)):
+            return load_file(os.path.join(folder, SAFE_SINGLE))
+        if os.path.isfile(os.path.join(folder, "pytorch_model.bin")):
+            return torch.load(os.path.join(folder, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+    except ConversionError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- a truncated or foreign file: one line
+        raise ConversionError(f"cannot read the weights in {folder}: {_first_line(e)}") from None
+    raise ConversionError(f"{folder} has a config.json but no weights (model.safetensors, {SAFE_INDEX} or "
+                          "pytorch_model.bin)")
+
+
+def read_hf_config(folder: str) -> dict:
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConversionError(f"cannot read {folder}/config.json: {_first_line(e)}") from None
+
+
+def read_hf_model(folder: str) -> tuple[ModelArgs, dict[str, torch.Tensor], str]:
+    """(ModelArgs, state under HybridLM's names, model_type) of an FLA GDN/KDA folder or a hybridtitan export."""
+    if not os.path.isdir(folder):
+        raise ConversionError(f"model folder not found: {folder}")
+    if not is_hf_folder(folder):
+        dcp_like = os.path.isfile(os.path.join(folder, ".metadata")) or os.path.isdir(os.path.join(folder, "checkpoint"))
+        hint = " -- it looks like a DCP checkpoint, which needs no import" if dcp_like else ""
+        raise ConversionError(f"{folder} is not a Hugging Face model folder (no config.json){hint}")
+    cfg = read_hf_config(folder)
+    model_type = cfg.get("model_type")
+    if model_type == OWN_MODEL_TYPE:
+        if not cfg.get("model_args"):
+            raise ConversionError(f"{folder}/config.json has model_type hybridtitan but no model_args")
+        try:
+            args = model_args_from_dict(cfg["model_args"])
+        except (TypeError, ValueError) as e:
+            raise ConversionError(f"{folder}/config.json: bad model_args: {_first_line(e)}") from None
+        tensors = read_hf_tensors(folder)
+        state = {}
+        for key, t in tensors.items():
+            if not key.startswith("model."):
+                raise ConversionError(f"unexpected tensor {key} in {folder} (hybridtitan exports keep 'model.' names)")
+            state[key[len("model."):]] = t
+    else:
+        args = model_args_from_fla_config(cfg)
+        tensors = read_hf_tensors(folder)
+        state = {}
+        for key, t in tensors.items():
+            ours = from_fla_key(key)
+            if ours == "lm_head.weight" and args.tie_embeddings:
+                continue  # FLA's tied copy of the embedding
+            state[ours] = t
+    return args, state, model_type
+
+
+def checkpoint_tokenizer(step_dir: str) -> str | None:
+    """The tokenizer a DCP step folder was trained with: its job_config.json's data.tokenizer (a path inside the
+    package resolved as the trainer does), else a ``tokenizer`` folder saved inside it (import_hf writes one)."""
+    from hybridtitan.checkpoint import JOB_CONFIG_FILE
+    from hybridtitan.data.config import resolve_path
+
+    path = os.path.join(step_dir, JOB_CONFIG_FILE)
+    if os.path.isfile(path):
+        try:
+            with open(path) as f:
+                tok = (json.load(f).get("data") or {}).get("tokenizer")
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"cannot read {path}: {_first_line(e)}") from None
+        if tok:
+            return resolve_path(tok)
+    inside = os.path.join(step_dir, "tokenizer")
+    return inside if os.path.isdir(inside) else None
+
+
+def load_tokenizer(path: str):
+    """A tokenizer from a folder or hub name; ConversionError in one line if nothing loads."""
+    from transformers.utils import logging as hf_logging
+
+    from hybridtitan.data import build_tokenizer
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # a model folder's config.json of an unregistered model_type is no concern here
+    try:
+        return build_tokenizer(path)
+    except ValueError as e:
+        raise ConversionError(_first_line(e).replace("data.tokenizer: ", "tokenizer: ", 1)) from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def load_hf_model(folder: str, dtype: torch.dtype = torch.float32, device="cpu") -> HybridLM:
+    """A HybridLM (our model code) from an FLA GDN/KDA folder or a hybridtitan export."""
+    args, state, _ = read_hf_model(folder)
+    return model_from_state(args, state, dtype, device, source=folder)
+
+
+def publish_folder(tmp: str, output: str) -> None:
+    """Moves a completely written folder into place; an existing ``output`` (already allowed to be replaced) is
+    swapped out first and removed after, so ``output`` is never half-written."""
+    if os.path.exists(output):
+        old = tmp + ".old"
+        os.rename(output, old)
+        os.rename(tmp, output)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, output)

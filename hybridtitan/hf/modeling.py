@@ -1,0 +1,207 @@
+"""hybridtitan's own Hugging Face model class: HybridLM behind transformers' PreTrainedModel and GenerationMixin.
+
+The weights keep HybridLM's names under ``model.`` (the names of a DCP checkpoint), so the forward is HybridLM's
+own code and its logits are bit-for-bit the trainer's. Generation carries a ``HybridCache``: a transformers Cache
+around HybridLM's InferenceCache (convolution windows, recurrent states, MLA latents ``c_kv``/``k_rope``), so each
+new token costs one step instead of a pass over the prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from hybridtitan.models import HybridLM, InferenceCache
+from hybridtitan.models.model import init_module
+
+from .configuration import HybridTitanConfig
+
+
+class HybridCache(Cache):
+    """The decoding state of every sublayer (a transformers Cache, so ``generate`` carries and reorders it).
+
+    Recurrent states cannot be rolled back, so ``crop`` refuses anything but a no-op (as FLA's caches do)."""
+
+    is_compileable = False
+
+    def __init__(self, n_layers: int):
+        super().__init__(layers=[])
+        self.n_layers = n_layers
+        self.inner = InferenceCache(n_layers)
+        self.seen_tokens = 0
+
+    def __len__(self) -> int:
+        return self.n_layers
+
+    def __repr__(self) -> str:
+        return f"HybridCache(n_layers={self.n_layers}, seen_tokens={self.seen_tokens})"
+
+    def _map(self, fn) -> None:
+        for state in self.inner.layers:
+            for key, value in state.items():
+                state[key] = fn(value)
+
+    def get_seq_length(self, layer_idx: int = 0, cache_position=None) -> int:
+        return self.seen_tokens
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.seen_tokens + query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.seen_tokens
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.inner.reorder(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.inner.reorder(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda v: v.repeat_interleave(repeats, dim=0))
+
+    def crop(self, max_length: int) -> None:
+        if max_length < 0:
+            max_length = self.seen_tokens + max_length
+        if max_length < self.seen_tokens:
+            raise NotImplementedError("a recurrent state cannot be rolled back: HybridCache cannot be cropped")
+
+    def reset(self) -> None:
+        self.inner = InferenceCache(self.n_layers)
+        self.seen_tokens = 0
+
+    def activate_past_recording(self) -> None:
+        pass
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.seen_tokens > 0
+
+    @property
+    def is_linear(self) -> list[bool]:
+        # mixed attention + recurrent state: sequence-length bookkeeping applies (get_seq_length)
+        return [False] * self.n_layers
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * self.n_layers
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * self.n_layers
+
+    @property
+    def batch_size(self) -> int:
+        for state in self.inner.layers:
+            for value in state.values():
+                return value.shape[0]
+        return -1
+
+
+class HybridTitanPreTrainedModel(PreTrainedModel):
+    config_class = HybridTitanConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["Sublayer"]
+    _is_stateful = True  # recurrent state: no assisted decoding, no cache cropping
+    supports_gradient_checkpointing = False
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """HybridLM.init_weights, one module at a time, skipping modules whose parameters were loaded."""
+        params = list(module.parameters(recurse=False))
+        if not params or all(getattr(p, "_is_hf_initialized", False) for p in params):
+            return
+        init_module(module, self.config.model_args.get("init_std", 0.02))
+
+
+class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
+    """A causal LM over HybridLM. ``forward`` accepts what ``generate`` passes; padding is supported only on the
+    right and without a cache (a recurrent state cannot skip left padding)."""
+
+    def __init__(self, config: HybridTitanConfig):
+        super().__init__(config)
+        self.model = HybridLM(config.to_model_args())
+        self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the forward creates its own HybridCache on the first call
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embeddings
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.model.embeddings = value
+
+    def get_output_embeddings(self):
+        return self.model.lm_head
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: HybridCache | None = None,
+        use_cache: bool | None = None,
+        labels: torch.LongTensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        return_dict: bool | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        past_key_values: HybridCache | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast | tuple:
+        if input_ids is None:
+            raise ValueError("HybridTitanForCausalLM needs input_ids (inputs_embeds are not supported)")
+        if cache is None:
+            cache = past_key_values
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training
+        if cache is not None and not isinstance(cache, HybridCache):
+            raise TypeError(f"HybridTitanForCausalLM needs a HybridCache, got {type(cache).__name__}")
+        if use_cache and cache is None:
+            cache = HybridCache(len(self.model.layers))
+        if not use_cache:
+            cache = None
+        _check_mask(attention_mask, with_cache=cache is not None)
+
+        h = self.model.hidden_states(input_ids, cache=cache.inner if cache is not None else None)
+        if cache is not None:
+            cache.seen_tokens += input_ids.shape[1]
+        if labels is None and isinstance(logits_to_keep, int) and logits_to_keep > 0:
+            h = h[:, -logits_to_keep:]
+        elif labels is None and isinstance(logits_to_keep, torch.Tensor):
+            h = h[:, logits_to_keep]
+        logits = (h @ self.model.output_weight.t()).float()
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                   labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100)
+        if return_dict is False:
+            out = (logits, cache) if cache is not None else (logits,)
+            return (loss, *out) if loss is not None else out
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+
+
+def _check_mask(attention_mask: torch.Tensor | None, with_cache: bool) -> None:
+    """Right padding is harmless in a causal forward; anything else would leak pads into the recurrent state."""
+    if attention_mask is None or attention_mask.dim() != 2 or bool(attention_mask.all()):
+        return
+    if with_cache:
+        raise ValueError("HybridTitanForCausalLM cannot decode padded batches (a recurrent state cannot skip pads): "
+                         "generate each prompt on its own, or batch prompts of equal length")
+    m = attention_mask.long()
+    if bool((m[:, 1:] > m[:, :-1]).any()):
+        raise ValueError("HybridTitanForCausalLM supports right padding only (a recurrent state cannot skip left pads)")

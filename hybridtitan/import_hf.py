@@ -1,0 +1,88 @@
+"""Hugging Face folder -> DCP step-0 that training can start from.
+
+    python -m hybridtitan.import_hf --model hf/fla-gdn-340M --output outputs/gdn_ft/checkpoint/step-0
+    python -m hybridtitan.train --job.config_file ... --job.dump_folder outputs/gdn_ft      # starts from step-0
+    (or, with any dump folder: --checkpoint.initial_load_path outputs/gdn_ft/checkpoint/step-0)
+
+Reads an FLA GatedDeltaNet/KDA checkpoint (GatedDeltaNetForCausalLM, KDAForCausalLM) or one of our own exports
+(model_type hybridtitan), checks that every tensor fits the model its config describes, and writes a model-only
+DCP checkpoint with model_args.json; the tokenizer found in the folder (or --tokenizer) is saved inside it under
+``tokenizer/``, where export and evaluation find it. The step folder appears only once complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import warnings
+
+from hybridtitan.export_hf import OneLineParser, fail
+
+
+def _has_tokenizer(folder: str) -> bool:
+    return any(os.path.isfile(os.path.join(folder, n)) for n in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def import_hf(model: str, output: str, *, tokenizer: str | None = None, overwrite: bool = False) -> str:
+    """Writes the DCP step folder ``output`` from a Hugging Face folder; returns the model_type read.
+    Raises ConversionError (one line) on bad input, before writing anything."""
+    from hybridtitan.checkpoint import save_model_checkpoint
+    from hybridtitan.hf.convert import ConversionError, load_tokenizer, model_from_state, publish_folder, read_hf_model
+
+    output = os.path.normpath(output)
+    if os.path.exists(output) and not overwrite:
+        raise ConversionError(f"output folder exists: {output} (pass --overwrite to replace it)")
+    args, state, model_type = read_hf_model(model)
+    net = model_from_state(args, state, source=model)
+    del state
+    tok_path = tokenizer or (model if _has_tokenizer(model) else None)
+    tok = load_tokenizer(tok_path) if tok_path else None
+    if tok is not None and len(tok) > args.vocab_size:
+        raise ConversionError(f"the tokenizer ({len(tok)} tokens, {tok_path}) is larger than the model's vocabulary "
+                              f"({args.vocab_size})")
+
+    parent = os.path.dirname(os.path.abspath(output))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(output)}.import-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        save_model_checkpoint(net, tmp)
+        if tok is not None:
+            tok.save_pretrained(os.path.join(tmp, "tokenizer"))
+        publish_folder(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp + ".partial", ignore_errors=True)
+        raise
+    return model_type
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="python -m hybridtitan.import_hf", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="a Hugging Face folder: FLA GDN/KDA or a hybridtitan export")
+    p.add_argument("--output", required=True, help="the step folder to write, e.g. OUT/checkpoint/step-0")
+    p.add_argument("--tokenizer", default=None, help="tokenizer to save with it (default: the model folder's)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if os.path.exists(args.output) and not args.overwrite:  # before the slow imports
+        fail(f"output folder exists: {os.path.normpath(args.output)} (pass --overwrite to replace it)")
+    if not os.path.isdir(args.model):
+        fail(f"model folder not found: {args.model}")
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    from hybridtitan.checkpoint import CheckpointError
+    from hybridtitan.hf.convert import ConversionError
+
+    try:
+        model_type = import_hf(args.model, args.output, tokenizer=args.tokenizer, overwrite=args.overwrite)
+    except (CheckpointError, ConversionError) as e:
+        fail(str(e))
+    print(f"imported {args.model} ({model_type}) to {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,611 @@
+"""GPU parity: FLA's Triton path against the PyTorch reference kernels, op by op, end to end, and against FLA's
+own Hugging Face classes.
+
+    python scripts/gpu_check.py                          # on the GPU: every check, about 1-3 minutes warm
+    python scripts/gpu_check.py --only ops,fla --json $OUT/gpu_check.json
+    python scripts/gpu_check.py --device cpu --tiny      # dry run on a CPU: the same code paths, small shapes
+
+ops  every hybridtitan.ops function with bf16 inputs on the GPU (FLA kernels) against the same values upcast
+     to float32 under ops.use_reference_kernels() (the chunked PyTorch reference, on the same device); the
+     output and the gradient of every input, relative error ||a - b|| / ||b|| < 1e-2; dense batches and packed
+     documents (cu_seqlens, a batch of one). Shapes of the 300M models.
+e2e  each debug flavor, same weights and batch (also packed): the loss in float32 on the CPU (reference
+     kernels) against the model in bf16 on the GPU (FLA kernels): loss and gradient norm within 1e-2. The whole
+     gradient's relative error and the loss of the bf16 model with the reference kernels are shown to tell a
+     kernel difference from bf16 rounding.
+fla  pure GDN / KDA models against FLA's GatedDeltaNetForCausalLM / KDAForCausalLM holding the same weights:
+     logits in bf16 on the GPU within 1e-2 (dense and packed). Weights go through hybridtitan's exporter
+     (python -m hybridtitan.export_hf) when it exists, checked tensor by tensor against this script's own
+     name mapping, which is used otherwise.
+
+On a CPU (--device cpu) the "fast" side is the reference in bf16 (no FLA kernels run there), and FLA's HF
+models are built, loaded and compared weight by weight but not run. Every case prints PASS, FAIL (with the
+one-line error) or SKIP and the run goes on; the exit code is 1 if any case failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from _gpu_common import (  # noqa: E402
+    REPO, fla_config, fla_model_class, fmt, format_table, load_into_fla, one_line, rel_diff, rel_err,
+    to_fla_state_dict, versions, write_json,
+)
+from hybridtitan import ops  # noqa: E402
+from hybridtitan.models import build_model, get_flavor  # noqa: E402
+from hybridtitan.models.common import init_dt_bias, init_log_uniform_A  # noqa: E402
+
+TOL = 1e-2
+E2E_FLAVORS = ("debug_gdn", "debug_kda", "debug_mamba2", "debug_hybrid")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="small shapes (sequence 256, vocabulary 8192): a dry run")
+    p.add_argument("--only", default="ops,e2e,fla", help="comma-separated subset of: ops, e2e, fla")
+    p.add_argument("--json", default=None, help="write every result to this file")
+    p.add_argument("--tol", type=float, default=TOL, help="relative error threshold (default 1e-2)")
+    p.add_argument("--e2e-flavors", default=",".join(E2E_FLAVORS))
+    p.add_argument("--fla-models", default=None,
+                   help="pure GDN/KDA configs for the FLA check (default: debug_gdn,debug_kda and, unless --tiny, "
+                        "gdn_300M:4,kda_300M:4 = the 300M shapes with 4 sublayers)")
+    p.add_argument("--exporter", default="hybridtitan.export_hf",
+                   help="module run as `python -m MODULE --checkpoint DCP --output DIR` for the FLA check, if it "
+                        "exists ('none': use this script's name mapping only)")
+    p.add_argument("--exporter-args", default=f"--tokenizer {os.path.join(REPO, 'hybridtitan', 'assets', 'tokenizer')}",
+                   help="extra arguments for the exporter (default: the tokenizer the repo ships, since a "
+                        "model-only checkpoint names none)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verbose", action="store_true", help="print the traceback of a failing case")
+    args = p.parse_args(argv)
+    args.only = {s.strip() for s in args.only.split(",") if s.strip()}
+    unknown = args.only - {"ops", "e2e", "fla"}
+    if unknown:
+        p.error(f"--only: unknown section(s) {sorted(unknown)}; choose from ops, e2e, fla")
+    return args
+
+
+class Results:
+    """Collects rows, prints each as it comes, and keeps going past failures."""
+
+    def __init__(self, verbose: bool):
+        self.rows: list[dict] = []
+        self.verbose = verbose
+
+    def add(self, row: dict) -> dict:
+        self.rows.append(row)
+        status = row["status"]
+        extra = f"  {row.get('error', '')}" if status != "PASS" else ""
+        print(f"  [{status}] {row['section']}: {row['name']} / {row['case']}{extra}", flush=True)
+        return row
+
+    def fail(self, section: str, name: str, case: str, exc: BaseException) -> dict:
+        if self.verbose:
+            traceback.print_exc()
+        return self.add({"section": section, "name": name, "case": case, "status": "FAIL", "error": one_line(exc)})
+
+    @property
+    def failed(self) -> list[dict]:
+        return [r for r in self.rows if r["status"] == "FAIL"]
+
+
+# ================================================================================================ ops
+
+
+class Shapes:
+    def __init__(self, tiny: bool):
+        self.T = 256 if tiny else 2048
+        self.B = 2
+        # four documents of uneven lengths (one of 5 tokens) over a batch of one; a rows=2 variant for MLA
+        self.cu = [0, 37, 42, 180, 256] if tiny else [0, 317, 322, 1500, 2048]
+        self.cu_rows = [0, 60, 128, 200, 256] if tiny else [0, 300, 1024, 1500, 2048]
+        self.vocab = 8192 if tiny else 128256
+        self.ce_tokens = 700 if tiny else 5000  # not a multiple of the chunk: two chunks, the last one short
+        self.ce_chunk = 256 if tiny else 4096
+
+
+def _randn(gen, *shape, device, scale=1.0):
+    return torch.randn(*shape, generator=gen, device="cpu").mul_(scale).to(device)
+
+
+def _A_log(n, device):
+    t = torch.empty(n)
+    init_log_uniform_A(t)
+    return t.to(device)
+
+
+def _dt_bias(n, device):
+    t = torch.empty(n)
+    init_dt_bias(t)
+    return t.to(device)
+
+
+def op_cases(sh: Shapes, device: torch.device):
+    """(op, case, make_inputs(gen) -> (tensors dict, kwargs dict), call(**tensors, **kwargs) -> output,
+    ref_call or None (None: the same call under ops.use_reference_kernels()))."""
+    bf16 = torch.bfloat16
+    cu = torch.tensor(sh.cu, dtype=torch.int32, device=device)  # int32, as the data loader gives
+    cu_rows = torch.tensor(sh.cu_rows, dtype=torch.int32, device=device)
+    layouts = [("dense B=2", sh.B, None), (f"packed {len(sh.cu) - 1} docs", 1, cu)]
+    cases = []
+
+    def add(op, case, make, call, ref_call=None):
+        cases.append((op, case, make, call, ref_call))
+
+    # --- Gated DeltaNet: H=4 key heads, HV=8 value heads, K=V=64 (gdn_300M)
+    for case, B, c in layouts:
+        def make(gen, B=B, c=c):
+            H, HV, K, V = 4, 8, 64, 64
+            t = {"q": _randn(gen, B, sh.T, H, K, device=device), "k": _randn(gen, B, sh.T, H, K, device=device),
+                 "v": _randn(gen, B, sh.T, HV, V, device=device), "a": _randn(gen, B, sh.T, HV, device=device),
+                 "b": _randn(gen, B, sh.T, HV, device=device), "A_log": _A_log(HV, device),
+                 "dt_bias": _dt_bias(HV, device)}
+            return {k: v.to(bf16) for k, v in t.items()}, {"cu_seqlens": c}
+        add("gated_delta_rule", case, make,
+            lambda q, k, v, a, b, A_log, dt_bias, cu_seqlens: ops.gated_delta_rule(
+                q, k, v, a, b, A_log, dt_bias, cu_seqlens=cu_seqlens)[0])
+
+    # --- KDA: H=8, K=32, V=64 (kda_300M), one decay per key channel
+    for case, B, c in layouts:
+        def make(gen, B=B, c=c):
+            H, K, V = 8, 32, 64
+            t = {"q": _randn(gen, B, sh.T, H, K, device=device), "k": _randn(gen, B, sh.T, H, K, device=device),
+                 "v": _randn(gen, B, sh.T, H, V, device=device), "a": _randn(gen, B, sh.T, H, K, device=device),
+                 "b": _randn(gen, B, sh.T, H, device=device), "A_log": _A_log(H, device),
+                 "dt_bias": _dt_bias(H * K, device)}
+            return {k: v.to(bf16) for k, v in t.items()}, {"cu_seqlens": c}
+        add("kda", case, make,
+            lambda q, k, v, a, b, A_log, dt_bias, cu_seqlens: ops.kda(
+                q, k, v, a, b, A_log, dt_bias, cu_seqlens=cu_seqlens)[0])
+
+    # --- simple GLA as Mamba2's SSD: H=32, K=d_state=64, V=head_dim=64, scale 1, g = A * dt (float32)
+    for case, B, c in layouts:
+        def make(gen, B=B, c=c):
+            H, K, V = 32, 64, 64
+            dt = F.softplus(_randn(gen, B, sh.T, H, device=device, scale=0.5) + _dt_bias(H, device))
+            A = -_A_log(H, device).exp()
+            t = {"q": _randn(gen, B, sh.T, H, K, device=device).to(bf16),
+                 "k": _randn(gen, B, sh.T, H, K, device=device).to(bf16),
+                 "v": (_randn(gen, B, sh.T, H, V, device=device) * dt.unsqueeze(-1)).to(bf16),
+                 "g": (A * dt).float()}
+            return t, {"cu_seqlens": c}
+        add("simple_gla", case, make,
+            lambda q, k, v, g, cu_seqlens: ops.simple_gla(q, k, v, g, scale=1.0, cu_seqlens=cu_seqlens)[0])
+
+    # --- short convolution: GDN's value conv (512 channels, no bias) and Mamba2's (3072 channels, bias)
+    for D, bias in ((512, False), (3072, True)):
+        for case, B, c in layouts:
+            def make(gen, B=B, c=c, D=D, bias=bias):
+                t = {"x": _randn(gen, B, sh.T, D, device=device), "weight": _randn(gen, D, 4, device=device, scale=0.3)}
+                if bias:
+                    t["bias"] = _randn(gen, D, device=device, scale=0.1)
+                return {k: v.to(bf16) for k, v in t.items()}, {"cu_seqlens": c}
+            add(f"causal_conv1d D={D}{' +bias' if bias else ''}", case, make,
+                lambda x, weight, cu_seqlens, bias=None: ops.causal_conv1d(
+                    x, weight, bias, "silu", cu_seqlens=cu_seqlens)[0])
+
+    # --- norms and SwiGLU (no sequence mixing: dense only)
+    def make_gnorm(gen, HV=8, V=64):
+        t = {"x": _randn(gen, sh.B, sh.T, HV, V, device=device), "gate": _randn(gen, sh.B, sh.T, HV, V, device=device),
+             "weight": 1 + _randn(gen, V, device=device, scale=0.1)}
+        return {k: v.to(bf16) for k, v in t.items()}, {}
+    add("gated_rms_norm swish (GDN)", "dense B=2", make_gnorm,
+        lambda x, gate, weight: ops.gated_rms_norm(x, gate, weight, 1e-6, "swish"))
+    add("gated_rms_norm sigmoid (KDA)", "dense B=2", make_gnorm,
+        lambda x, gate, weight: ops.gated_rms_norm(x, gate, weight, 1e-6, "sigmoid"))
+
+    def make_gnorm_m2(gen, D=2048):
+        t = {"x": _randn(gen, sh.B, sh.T, D, device=device), "gate": _randn(gen, sh.B, sh.T, D, device=device),
+             "weight": 1 + _randn(gen, D, device=device, scale=0.1)}
+        return {k: v.to(bf16) for k, v in t.items()}, {}
+    add("gated_rms_norm grouped (Mamba2)", "dense B=2", make_gnorm_m2,
+        lambda x, gate, weight: ops.gated_rms_norm(x, gate, weight, 1e-6, "swish", norm_before_gate=False,
+                                                   group_size=256))
+
+    def make_rms(gen, D=1024):
+        t = {"x": _randn(gen, sh.B, sh.T, D, device=device), "weight": 1 + _randn(gen, D, device=device, scale=0.1)}
+        return {k: v.to(bf16) for k, v in t.items()}, {}
+    add("rms_norm", "dense B=2", make_rms, lambda x, weight: ops.rms_norm(x, weight, 1e-6))
+
+    def make_swiglu(gen, D=4096):
+        t = {"gate": _randn(gen, sh.B, sh.T, D, device=device), "up": _randn(gen, sh.B, sh.T, D, device=device)}
+        return {k: v.to(bf16) for k, v in t.items()}, {}
+    add("swiglu", "dense B=2", make_swiglu, lambda gate, up: ops.swiglu(gate, up))
+
+    # --- MLA attention: 16 heads, qk 64 (32 nope + 32 rope), v 64
+    attn_layouts = layouts + [(f"packed rows=2 {len(sh.cu_rows) - 1} docs", 1, cu_rows)]
+    for case, B, c in attn_layouts:
+        rows = 2 if "rows=2" in case else 1
+
+        def make(gen, B=B, c=c, rows=rows):
+            t = {"q": _randn(gen, B, sh.T, 16, 64, device=device), "k": _randn(gen, B, sh.T, 16, 64, device=device),
+                 "v": _randn(gen, B, sh.T, 16, 64, device=device)}
+            return {k: v.to(bf16) for k, v in t.items()}, {"cu_seqlens": c, "rows": rows}
+        add("attention (MLA)", case, make,
+            lambda q, k, v, cu_seqlens, rows: ops.attention(q, k, v, 64 ** -0.5, cu_seqlens=cu_seqlens, rows=rows))
+
+    # --- chunked fused linear cross-entropy (plain PyTorch on every device) against F.cross_entropy in fp32
+    def make_ce(gen, D=1024):
+        N, V = sh.ce_tokens, sh.vocab
+        targets = torch.randint(0, V, (N,), generator=gen)
+        targets[torch.rand(N, generator=gen) < 0.05] = -100
+        t = {"hidden": _randn(gen, N, D, device=device).to(bf16),
+             "weight": _randn(gen, V, D, device=device, scale=0.05).to(bf16)}
+        return t, {"targets": targets.to(device)}
+
+    def ce_ref(hidden, weight, targets):
+        return F.cross_entropy(hidden.float() @ weight.float().t(), targets, ignore_index=-100, reduction="sum")
+    add("linear_cross_entropy", f"{sh.ce_tokens} tok, V={sh.vocab}, 5% ignored", make_ce,
+        lambda hidden, weight, targets: ops.linear_cross_entropy(hidden, weight, targets,
+                                                                 chunk_size=sh.ce_chunk)[0],
+        ce_ref)
+    return cases
+
+
+def _leaf(t: torch.Tensor, dtype=None) -> torch.Tensor:
+    t = t.detach().clone() if dtype is None else t.detach().to(dtype).clone()
+    return t.requires_grad_(t.is_floating_point())
+
+
+def run_op_case(res: Results, op, case, make, call, ref_call, device, seed, tol) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    tensors, kwargs = make(gen)
+    fast = {k: _leaf(v) for k, v in tensors.items()}
+    ref = {k: _leaf(v, torch.float32) for k, v in tensors.items()}
+    t0 = time.perf_counter()
+    out = call(**fast, **kwargs)
+    with ops.use_reference_kernels():
+        out_ref = (ref_call or call)(**ref, **kwargs)
+    grad_out = torch.randn(out_ref.shape, generator=gen).to(device)
+    (out.float() * grad_out).sum().backward()
+    with ops.use_reference_kernels():
+        (out_ref.float() * grad_out).sum().backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    backend = ops.backend_for(next(iter(fast.values())))
+    if op.startswith("linear_cross_entropy"):
+        backend = "torch (chunked)"  # plain PyTorch on every device
+    elif op.startswith("attention") and kwargs.get("cu_seqlens") is None and backend == "fla":
+        backend = "sdpa"  # fla_backend.attention without documents
+    out_err = rel_err(out, out_ref)
+    grad_errs = {}
+    for name in fast:
+        g, g_ref = fast[name].grad, ref[name].grad
+        if g_ref is None:
+            continue
+        if g is None:
+            raise RuntimeError(f"no gradient for {name} on the fast path")
+        grad_errs[name] = rel_err(g, g_ref)
+    worst = max(grad_errs, key=grad_errs.get) if grad_errs else None
+    finite = torch.isfinite(out.float()).all().item() and all(math.isfinite(v) for v in grad_errs.values())
+    ok = finite and out_err < tol and all(v < tol for v in grad_errs.values())
+    res.add({"section": "ops", "name": op, "case": case, "backend": backend,
+             "status": "PASS" if ok else "FAIL", "out_err": out_err,
+             "worst_grad": worst, "worst_grad_err": grad_errs.get(worst) if worst else None,
+             "grad_errs": grad_errs, "seconds": time.perf_counter() - t0,
+             **({} if ok else {"error": "non-finite values" if not finite else
+                                f"relative error over {tol:g}"})})
+
+
+def check_ops(res: Results, args, device) -> None:
+    print(f"\n== ops: {device} bf16 ({'FLA' if device.type == 'cuda' else 'reference'} kernels) vs float32 "
+          "reference kernels", flush=True)
+    sh = Shapes(args.tiny)
+    for n, (op, case, make, call, ref_call) in enumerate(op_cases(sh, device)):
+        try:
+            run_op_case(res, op, case, make, call, ref_call, device, args.seed + n, args.tol)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            res.fail("ops", op, case, e)
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+# ================================================================================================ end to end
+
+
+def e2e_batch(vocab: int, tiny: bool, seed: int):
+    B, T = 2, (128 if tiny else 512)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (B, T), generator=gen)
+    labels = torch.cat([ids[:, 1:], torch.full((B, 1), -100)], dim=1)
+    # documents over the flattened B * T tokens, the row boundary included
+    cu = [0, 30, T, T + 42, 2 * T] if tiny else [0, 100, T, T + 188, 2 * T]
+    return ids, labels, torch.tensor(cu, dtype=torch.int32)
+
+
+def _grads(model) -> dict:
+    return {n: (p.grad.detach().float().cpu() if p.grad is not None else torch.zeros(p.shape))
+            for n, p in model.named_parameters()}
+
+
+def check_e2e(res: Results, args, device) -> None:
+    print(f"\n== e2e: float32 on the CPU (reference kernels) vs bf16 on {device}", flush=True)
+    for flavor in [f for f in args.e2e_flavors.split(",") if f]:
+        try:
+            margs = get_flavor(flavor)
+            torch.manual_seed(args.seed)
+            model = build_model(margs, "cpu")
+            model.init_weights()
+            model.train()
+            ids, labels, cu = e2e_batch(margs.vocab_size, args.tiny, args.seed + 1)
+        except Exception as e:  # noqa: BLE001
+            res.fail("e2e", flavor, "build", e)
+            continue
+        for case, cu_seqlens in (("dense B=2", None), ("packed B=2 (cu_seqlens)", cu)):
+            try:
+                t0 = time.perf_counter()
+                model.zero_grad(set_to_none=True)
+                with ops.use_reference_kernels():
+                    loss_ref = model(ids, labels=labels, cu_seqlens=cu_seqlens)
+                    loss_ref.backward()
+                g_ref = _grads(model)
+                model.zero_grad(set_to_none=True)
+
+                fast = copy.deepcopy(model).to(device, torch.bfloat16)
+                dev_cu = cu_seqlens.to(device) if cu_seqlens is not None else None
+                loss = fast(ids.to(device), labels=labels.to(device), cu_seqlens=dev_cu)
+                loss.backward()
+                g = _grads(fast)
+                with torch.no_grad(), ops.use_reference_kernels():  # bf16 model, reference kernels: rounding only
+                    loss_bf16_ref = fast(ids.to(device), labels=labels.to(device), cu_seqlens=dev_cu).item()
+                del fast
+                gn_ref = math.sqrt(sum(v.pow(2).sum().item() for v in g_ref.values()))
+                gn = math.sqrt(sum(v.pow(2).sum().item() for v in g.values()))
+                gdiff = math.sqrt(sum((g[n] - g_ref[n]).pow(2).sum().item() for n in g_ref))
+                loss_d = rel_diff(loss.item(), loss_ref.item())
+                gn_d = rel_diff(gn, gn_ref)
+                ok = math.isfinite(loss.item()) and loss_d < args.tol and gn_d < args.tol
+                res.add({"section": "e2e", "name": flavor, "case": case, "status": "PASS" if ok else "FAIL",
+                         "loss_ref_fp32": loss_ref.item(), "loss": loss.item(), "loss_rel": loss_d,
+                         "loss_bf16_ref_kernels": loss_bf16_ref,
+                         "loss_rel_vs_bf16_ref_kernels": rel_diff(loss.item(), loss_bf16_ref),
+                         "grad_norm_ref": gn_ref, "grad_norm": gn, "grad_norm_rel": gn_d,
+                         "grad_rel_err": gdiff / gn_ref if gn_ref else float("inf"),
+                         "seconds": time.perf_counter() - t0,
+                         **({} if ok else {"error": f"loss or gradient norm differ by more than {args.tol:g}"})})
+            except Exception as e:  # noqa: BLE001
+                res.fail("e2e", flavor, case, e)
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+
+
+# ================================================================================================ FLA HF classes
+
+
+def fla_model_list(args) -> list[str]:
+    if args.fla_models:
+        return [m for m in args.fla_models.split(",") if m]
+    return ["debug_gdn", "debug_kda"] + ([] if args.tiny else ["gdn_300M:4", "kda_300M:4"])
+
+
+def model_args_for(spec: str):
+    """'flavor' or 'flavor:N' (the flavor cut to N sublayers, a pure mixer/MLP stack)."""
+    name, _, n = spec.partition(":")
+    margs = get_flavor(name)
+    if n:
+        margs = margs.replace(n_layers=int(n), pattern="M-" * (int(n) // 2))
+    return margs
+
+
+def exporter_available(module: str) -> bool:
+    if module == "none":
+        return False
+    try:
+        return importlib.util.find_spec(module) is not None
+    except Exception:  # noqa: BLE001 - a parent package that is missing
+        return False
+
+
+def export_with_hybridtitan(model, folder: str, module: str, extra: str = ""):
+    """save_model_checkpoint -> python -m hybridtitan.export_hf -> AutoModelForCausalLM (its dtype, CPU)."""
+    import fla  # noqa: F401 - registers FLA's model types with transformers
+    from transformers import AutoModelForCausalLM
+
+    from hybridtitan.checkpoint import save_model_checkpoint
+
+    step_dir, out_dir = os.path.join(folder, "step-0"), os.path.join(folder, "hf")
+    save_model_checkpoint(model, step_dir)
+    cmd = [sys.executable, "-m", module, "--checkpoint", step_dir, "--output", out_dir] + shlex.split(extra)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()
+        raise RuntimeError(f"{module} exited {proc.returncode}: {tail[-1] if tail else ''}")
+    try:
+        return AutoModelForCausalLM.from_pretrained(out_dir, dtype="auto")  # as written (bf16 by default)
+    except TypeError:  # older transformers
+        return AutoModelForCausalLM.from_pretrained(out_dir, torch_dtype="auto")
+
+
+def _unique_numel(module) -> int:
+    seen, n = set(), 0
+    for p in module.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            n += p.numel()
+    return n
+
+
+def check_fla(res: Results, args, device) -> None:
+    print(f"\n== fla: hybridtitan vs FLA's HF classes (same weights), logits in bf16 on {device}", flush=True)
+    try:
+        import fla  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        res.fail("fla", "import fla", "-", e)
+        return
+    use_exporter = exporter_available(args.exporter)
+    print(f"  weights: {args.exporter + ' (checked against the script mapping) and ' if use_exporter else ''}the "
+          f"script's name mapping{'' if use_exporter or args.exporter == 'none' else f' ({args.exporter} not found)'}",
+          flush=True)
+    for spec in fla_model_list(args):
+        try:
+            margs = model_args_for(spec)
+            torch.manual_seed(args.seed)
+            ours = build_model(margs, "cpu")
+            ours.init_weights()
+            ours.eval()
+            with torch.device("cpu"):
+                theirs = fla_model_class(margs)(fla_config(margs))
+            load_into_fla(theirs, ours.state_dict(), margs)
+            theirs.eval()
+            n_ours, n_fla = _unique_numel(ours), _unique_numel(theirs)
+            if n_ours != n_fla:
+                raise RuntimeError(f"parameter counts differ: hybridtitan {n_ours:,} vs FLA {n_fla:,}")
+            res.add({"section": "fla", "name": spec, "case": f"load ({type(theirs).__name__}, {n_fla:,} params)",
+                     "status": "PASS"})
+        except Exception as e:  # noqa: BLE001
+            res.fail("fla", spec, "build/load", e)
+            continue
+
+        candidates = [("mapping", theirs)]
+        if use_exporter:
+            tmp = tempfile.mkdtemp(prefix="gpu-check-export-")
+            try:
+                exported = export_with_hybridtitan(ours, tmp, args.exporter, args.exporter_args)
+                exported.eval()
+                want = to_fla_state_dict(ours.state_dict(), margs)
+                got = exported.state_dict()
+                # the exporter writes bf16 by default (transformers may load some tensors back in float32):
+                # each tensor must equal ours, or ours rounded to bf16
+                bad = [k for k, v in want.items() if k not in got or got[k].shape != v.shape
+                       or not (torch.equal(got[k], v.to(got[k].dtype))
+                               or torch.equal(got[k], v.to(torch.bfloat16).to(got[k].dtype)))]
+                if type(exported).__name__ != type(theirs).__name__:
+                    bad.insert(0, f"class {type(exported).__name__} != {type(theirs).__name__}")
+                ok = not bad
+                res.add({"section": "fla", "name": spec, "case": "export_hf == script mapping",
+                         "status": "PASS" if ok else "FAIL", "exported_class": type(exported).__name__,
+                         **({} if ok else {"error": f"{len(bad)} tensors differ, e.g. {bad[:3]}"})})
+                candidates.append(("export_hf", exported))
+            except Exception as e:  # noqa: BLE001
+                res.fail("fla", spec, "export_hf", e)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+        ids, _, cu = e2e_batch(margs.vocab_size, args.tiny, args.seed + 2)
+        packed = ids.reshape(1, -1)
+        for case, inp, c in (("dense B=2", ids, None), ("packed B=1 (cu_seqlens)", packed, cu)):
+            try:
+                with torch.no_grad(), ops.use_reference_kernels():
+                    ref = ours(inp, cu_seqlens=c)  # float32 on the CPU: the yardstick for both
+                if device.type != "cuda":
+                    for label, _ in candidates:
+                        res.add({"section": "fla", "name": spec, "case": f"{case} logits [{label}]", "status": "SKIP",
+                                 "error": "FLA's HF models need a GPU"})
+                    continue
+                ours_gpu = copy.deepcopy(ours).to(device, torch.bfloat16)
+                dev_inp, dev_cu = inp.to(device), (c.to(device) if c is not None else None)
+                with torch.no_grad():
+                    lo = ours_gpu(dev_inp, cu_seqlens=dev_cu).float()
+                del ours_gpu
+                for label, hf in candidates:
+                    hf_gpu = copy.deepcopy(hf).to(device, torch.bfloat16)
+                    kw = {"cu_seqlens": dev_cu} if dev_cu is not None else {}
+                    with torch.no_grad():
+                        lf = hf_gpu(input_ids=dev_inp, **kw).logits.float()
+                    del hf_gpu
+                    err = rel_err(lf, lo)
+                    ok = math.isfinite(err) and err < args.tol
+                    res.add({"section": "fla", "name": spec, "case": f"{case} logits [{label}]",
+                             "status": "PASS" if ok else "FAIL", "logits_err": err,
+                             "ours_vs_fp32": rel_err(lo, ref), "fla_vs_fp32": rel_err(lf, ref),
+                             **({} if ok else {"error": f"logits differ by {err:.3e} > {args.tol:g}"})})
+                    torch.cuda.empty_cache()
+            except Exception as e:  # noqa: BLE001
+                res.fail("fla", spec, case, e)
+
+
+# ================================================================================================ report
+
+
+def _status(r: dict, limit: int = 100) -> str:
+    err = r.get("error")
+    if r["status"] == "PASS" or not err:
+        return r["status"]
+    text = f"{r['status']}: {err}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def print_report(res: Results) -> None:
+    ops_rows = [r for r in res.rows if r["section"] == "ops"]
+    if ops_rows:
+        print("\n" + format_table(
+            ["op", "case", "backend", "output err", "worst grad err (input)", "status"],
+            [[r["name"], r["case"], r.get("backend"), fmt(r.get("out_err")),
+              (f"{fmt(r['worst_grad_err'])} ({r['worst_grad']})" if r.get("worst_grad") else None),
+              _status(r)] for r in ops_rows]))
+    e2e_rows = [r for r in res.rows if r["section"] == "e2e"]
+    if e2e_rows:
+        print("\n" + format_table(
+            ["flavor", "case", "loss fp32 CPU", "loss bf16 dev", "loss rel", "vs bf16+ref kernels",
+             "grad norm rel", "grad rel err", "status"],
+            [[r["name"], r["case"], fmt(r.get("loss_ref_fp32"), 5) if "loss" in r else None,
+              fmt(r.get("loss"), 5) if "loss" in r else None, fmt(r.get("loss_rel")),
+              fmt(r.get("loss_rel_vs_bf16_ref_kernels")), fmt(r.get("grad_norm_rel")), fmt(r.get("grad_rel_err")),
+              _status(r)] for r in e2e_rows]))
+    fla_rows = [r for r in res.rows if r["section"] == "fla"]
+    if fla_rows:
+        print("\n" + format_table(
+            ["model", "case", "logits err (FLA vs ours)", "ours bf16 vs fp32", "FLA bf16 vs fp32", "status"],
+            [[r["name"], r["case"], fmt(r.get("logits_err")), fmt(r.get("ours_vs_fp32")), fmt(r.get("fla_vs_fp32")),
+              _status(r)] for r in fla_rows]))
+    counts = {s: sum(r["status"] == s for r in res.rows) for s in ("PASS", "FAIL", "SKIP")}
+    print(f"\n{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            print("error: --device cuda but no GPU is visible", file=sys.stderr)
+            return 2
+        torch.cuda.set_device(device.index or 0) if device.type == "cuda" else None
+    # a float32 reference means float32: no TF32 in the reference matmuls
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    info = versions(device)
+    print(f"gpu_check: device {device} ({info.get('gpu') or info.get('cpu')}), torch {info['torch']}, triton "
+          f"{info['triton']}, fla {info['fla']}, transformers {info['transformers']}; tol {args.tol:g}"
+          f"{' [tiny]' if args.tiny else ''}", flush=True)
+    res = Results(args.verbose)
+    t0 = time.perf_counter()
+    for section, fn in (("ops", check_ops), ("e2e", check_e2e), ("fla", check_fla)):
+        if section in args.only:
+            t1 = time.perf_counter()
+            try:
+                fn(res, args, device)
+            except Exception as e:  # noqa: BLE001 - a whole section breaking is one failure, not the end
+                res.fail(section, "(section)", "-", e)
+            print(f"  ({section}: {time.perf_counter() - t1:.1f} s)", flush=True)
+    print_report(res)
+    print(f"total {time.perf_counter() - t0:.1f} s")
+    if args.json:
+        write_json(args.json, {"versions": info, "argv": sys.argv, "tol": args.tol, "tiny": args.tiny,
+                               "results": res.rows})
+        print(f"wrote {args.json}")
+    return 1 if res.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

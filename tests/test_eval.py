@@ -1,0 +1,168 @@
+"""lm-eval over our model, offline: a small multiple-choice task shipped in tests/assets/tasks, scored from a DCP
+checkpoint and from its Hugging Face export (FLA's layout and ours) with the same accuracy; the LM's three request
+kinds checked against direct computations and against transformers' generate()."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_export_hf import run_cli, train_debug_checkpoints  # the session's trained dumps, shared
+
+TASKS = Path(__file__).resolve().parent / "assets" / "tasks"
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory) -> dict[str, Path]:
+    return train_debug_checkpoints(tmp_path_factory.getbasetemp() / "hybridtitan_debug_dumps")
+
+
+def _run_eval(capsys, argv) -> str:
+    from hybridtitan.eval import main
+
+    main(argv)
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flavor", ["debug_hybrid", "debug_gdn"])
+def test_same_accuracy_from_dcp_and_hf_export(flavor, trained, tmp_path, capsys):
+    """debug_hybrid goes through our own HF layout, debug_gdn through FLA's (read back by the reverse mapping)."""
+    from hybridtitan.export_hf import export
+
+    hf_dir = tmp_path / "hf"
+    export(str(trained[flavor]), str(hf_dir), dtype="float32")
+    results = {}
+    for name, source in (("dcp", trained[flavor]), ("hf", hf_dir)):
+        path = tmp_path / f"{name}.json"
+        out = _run_eval(capsys, ["--checkpoint", str(source), "--tasks", "stdlib_mc", "--include_path", str(TASKS),
+                                 "--batch_size", "16", "--output_path", str(path), "--device", "cpu",
+                                 "--bootstrap_iters", "0"])
+        assert "stdlib_mc" in out and "|acc" in out.replace(" ", "")  # lm-eval's table
+        results[name] = json.loads(path.read_text())["results"]["stdlib_mc"]
+    assert results["dcp"]["acc,none"] == results["hf"]["acc,none"]
+    assert results["dcp"]["acc_norm,none"] == results["hf"]["acc_norm,none"]
+    assert 0.0 <= results["dcp"]["acc,none"] <= 1.0
+
+
+@pytest.fixture(scope="module")
+def lm_and_hf(trained, tmp_path_factory):
+    """HybridTitanLM over the trained debug_hybrid DCP checkpoint, and transformers' model of its export."""
+    import hybridtitan.hf  # noqa: F401
+    from transformers import AutoModelForCausalLM
+
+    from hybridtitan.eval import HybridTitanLM, load_for_eval
+    from hybridtitan.export_hf import export
+
+    model, tok, _ = load_for_eval(str(trained["debug_hybrid"]))
+    hf_dir = tmp_path_factory.mktemp("lm") / "hf"
+    export(str(trained["debug_hybrid"]), str(hf_dir), dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir)).eval()
+    return HybridTitanLM(model, tok, batch_size=3, max_length=64), hf
+
+
+def _requests(kind, args_list):
+    from lm_eval.api.instance import Instance
+
+    return [Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args_list)]
+
+
+def test_loglikelihood_batched_equals_direct(lm_and_hf):
+    lm, hf = lm_and_hf
+    pairs = [("Return the number of Thread objects", " currently alive."), ("Close the file", " and flush it."),
+             ("Set", " the debug output level."), ("", "Return whether a path is absolute.")]
+    batched = lm.loglikelihood(_requests("loglikelihood", pairs))
+    lm.batch_size = 1
+    single = lm.loglikelihood(_requests("loglikelihood", pairs))
+    lm.batch_size = 3
+    for (a, ga), (b, gb) in zip(batched, single):
+        assert a == pytest.approx(b, abs=1e-4) and ga == gb
+    # directly from the logits of the concatenated tokens
+    ctx, cont = lm.tok_encode(pairs[0][0]), lm.tok_encode(pairs[0][0] + pairs[0][1])[len(lm.tok_encode(pairs[0][0])):]
+    ids = torch.tensor([ctx + cont])
+    with torch.no_grad():
+        logp = torch.log_softmax(lm.model(ids)[0, :-1].float(), -1)
+    direct = sum(logp[len(ctx) - 1 + i, t].item() for i, t in enumerate(cont))
+    assert batched[0][0] == pytest.approx(direct, abs=1e-4)
+
+
+def test_loglikelihood_rolling(lm_and_hf):
+    lm, _ = lm_and_hf
+    text = "Return the hash value of the object. Serialize obj to a JSON formatted str."
+    ids = lm.tok_encode(text)
+    with torch.no_grad():
+        logp = torch.log_softmax(lm.model(torch.tensor([[lm.eot_token_id] + ids]))[0, :-1].float(), -1)
+    direct = logp.gather(-1, torch.tensor(ids).unsqueeze(-1)).sum().item()
+    (rolled,) = lm.loglikelihood_rolling(_requests("loglikelihood_rolling", [(text,)]))
+    assert rolled == pytest.approx(direct, abs=1e-3)
+    lm.max_length = 8  # several disjoint windows
+    try:
+        (windowed,) = lm.loglikelihood_rolling(_requests("loglikelihood_rolling", [(text,)]))
+    finally:
+        lm.max_length = 64
+    assert windowed < 0 and windowed != pytest.approx(rolled, abs=1e-6)
+
+
+def test_generate_until_matches_transformers_generate(lm_and_hf):
+    """Batched lockstep greedy decoding (prompts of different lengths) = transformers' generate() per prompt."""
+    lm, hf = lm_and_hf
+    prompts = ["Return the number of", "Close the file and flush the write buffer of the", "Set the",
+               "Read and return at most size bytes"]
+    new = 6
+    texts = lm.generate_until(_requests("generate_until", [(p, {"until": ["\x00"], "max_gen_toks": new})
+                                                         for p in prompts]))
+    for prompt, text in zip(prompts, texts):
+        ids = torch.tensor([lm.tok_encode(prompt)])
+        out = hf.generate(ids, max_new_tokens=new, do_sample=False)[0, ids.shape[1]:].tolist()
+        if out and out[-1] == lm.eot_token_id:
+            out = out[:-1]
+        assert text == lm.tok_decode(out), prompt
+    # a stop string cuts the continuation
+    stop = texts[0][1:3] if len(texts[0]) > 3 else texts[0]
+    (cut,) = lm.generate_until(_requests("generate_until", [(prompts[0], {"until": [stop], "max_gen_toks": new})]))
+    assert stop not in cut and texts[0].startswith(cut)
+
+
+def test_eval_bad_input(trained, tmp_path, capsys):
+    from hybridtitan.eval import main
+
+    def expect(argv, match):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("error: ") and match in err, err
+
+    common = ["--tasks", "stdlib_mc", "--include_path", str(TASKS)]
+    expect(["--checkpoint", str(tmp_path / "nope"), *common], "not found")
+    expect(["--checkpoint", str(trained["debug_gdn"]), "--step", "5", *common], "step 5 not found")
+    partial = tmp_path / "partial"
+    (partial / "step-3.partial").mkdir(parents=True)
+    expect(["--checkpoint", str(partial), *common], "incomplete")
+    expect(["--checkpoint", str(trained["debug_gdn"]), "--tasks", "stdlib_mc", "--include_path",
+            str(tmp_path / "no_tasks")], "--include_path")
+    existing = tmp_path / "results.json"
+    existing.write_text("{}")
+    expect(["--checkpoint", str(trained["debug_gdn"]), *common, "--output_path", str(existing)], "exists")
+    assert existing.read_text() == "{}"
+
+
+def test_cli_processes_fail_in_one_line(trained, tmp_path):
+    """The three real processes (run side by side): exit code 2, one line on stderr, no traceback, nothing written.
+    An unknown task is caught before the model is loaded."""
+    out = tmp_path / "out"
+    procs = {
+        "unknown task": run_cli("hybridtitan.eval", "--checkpoint", str(trained["debug_gdn"]), "--tasks",
+                                "stdlib_mc,no_such_task", "--include_path", str(TASKS), "--output_path", str(out)),
+        "step 9 not found": run_cli("hybridtitan.export_hf", "--checkpoint", str(trained["debug_gdn"]), "--step", "9",
+                                    "--output", str(out)),
+        "model folder not found": run_cli("hybridtitan.import_hf", "--model", str(tmp_path / "missing"), "--output",
+                                          str(out)),
+    }
+    for expected, p in procs.items():
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 2, stderr
+        assert len(stderr.strip().splitlines()) == 1 and stderr.startswith("error: "), stderr
+        assert expected in stderr, stderr
+    assert not out.exists()

@@ -1,0 +1,333 @@
+"""DCP -> Hugging Face export and back: every debug flavor, trained for a few steps by the real trainer.
+
+Pure GDN/KDA exports are in FLA's layouts: FLA's classes (built from the exported config) must load them with no
+missing, unexpected or mismatched key, every tensor equal to ours; FLA's forward needs a GPU, so their logits are
+checked by reading the export back into HybridLM. Our own layout (Mamba2, MLA hybrids, and GDN/KDA with
+--format hybridtitan) goes through transformers' Auto classes, forward and generate(), with and without the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+FLAVORS = ("debug_gdn", "debug_kda", "debug_mamba2", "debug_hybrid")
+STEPS = 2
+
+
+def cli_env() -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def run_cli(*args: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", *args], cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **popen)
+
+
+def train_debug_checkpoints(base: Path) -> dict[str, Path]:
+    """A dump folder per debug flavor, trained for STEPS steps by `python -m hybridtitan.train` (the four runs in
+    parallel), once per session: another test module calling this with the same base reuses them."""
+    dumps = {f: base / f for f in FLAVORS}
+    todo = [f for f in FLAVORS if not (dumps[f] / "checkpoint" / f"step-{STEPS}" / ".metadata").is_file()]
+    procs = {}
+    for f in todo:
+        shutil.rmtree(dumps[f], ignore_errors=True)
+        procs[f] = run_cli(
+            "hybridtitan.train", "--job.config_file", "train_configs/debug_hybrid.toml", "--model.flavor", f,
+            "--training.steps", str(STEPS), "--checkpoint.interval", str(STEPS), "--job.dump_folder", str(dumps[f]),
+            "--training.local_batch_size", "2", "--training.global_batch_size", "2", "--training.seq_len", "64",
+            "--metrics.no-enable_tensorboard", "--metrics.log_freq", "1")
+    for f, p in procs.items():
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, f"training {f} failed:\n{(out + err)[-4000:]}"
+    return dumps
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory) -> dict[str, Path]:
+    return train_debug_checkpoints(tmp_path_factory.getbasetemp() / "hybridtitan_debug_dumps")
+
+
+@pytest.fixture(scope="session")
+def exports(trained, tmp_path_factory) -> dict[tuple[str, str], Path]:
+    """(flavor, layout) -> float32 export: FLA's layout for GDN/KDA, ours for every flavor."""
+    from hybridtitan.export_hf import export
+
+    base = tmp_path_factory.mktemp("exports")
+    out = {}
+    for flavor in FLAVORS:
+        layouts = ("fla", "hybridtitan") if flavor in ("debug_gdn", "debug_kda") else ("hybridtitan",)
+        for layout in layouts:
+            path = base / f"{flavor}-{layout}"
+            assert export(str(trained[flavor]), str(path), dtype="float32", format=layout) == layout
+            out[flavor, layout] = path
+    return out
+
+
+def ours(dump: Path):
+    from hybridtitan.checkpoint import load_model
+
+    return load_model(str(dump), "cpu", torch.float32)[0].eval()
+
+
+def tokens(shape, seed=0):
+    return torch.randint(5, 8000, shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------------ our own layout
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_own_layout_logits_and_generate(flavor, trained, exports):
+    import hybridtitan.hf  # noqa: F401 -- registers the Auto classes
+    from transformers import AutoModelForCausalLM
+
+    from hybridtitan.hf import HybridTitanForCausalLM
+
+    folder = exports[flavor, "hybridtitan"]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "hybridtitan" and config["auto_map"]["AutoModelForCausalLM"]
+    assert (folder / "modeling_hybridtitan.py").is_file() and (folder / "tokenizer.json").is_file()
+    assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == config["eos_token_id"]
+
+    ref = ours(trained[flavor])
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True).eval()
+    assert isinstance(hf, HybridTitanForCausalLM) and hf.dtype == torch.float32
+    x = tokens((2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, ref(x), atol=1e-5, rtol=0)
+
+    # generate(): greedy, with the recurrent/MLA cache (one token per step after the prompt) and without it
+    seen = []
+    hook = hf.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    prompt, new = tokens((1, 9), seed=1), 6
+    with_cache = hf.generate(prompt, max_new_tokens=new, do_sample=False, use_cache=True)
+    assert seen == [9] + [1] * (new - 1), seen
+    seen.clear()
+    without = hf.generate(prompt, max_new_tokens=new, do_sample=False, use_cache=False)
+    assert seen == list(range(9, 9 + new)), seen
+    hook.remove()
+    assert with_cache.shape == (1, 9 + new)
+    assert torch.equal(with_cache, without)
+    # and the same tokens as HybridLM's own greedy loop
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(new):
+            seq = torch.cat([seq, ref(seq)[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(with_cache, seq)
+
+
+def test_cache_is_a_transformers_cache(exports):
+    from transformers.cache_utils import Cache
+
+    from hybridtitan.hf import HybridCache, HybridTitanForCausalLM
+
+    hf = HybridTitanForCausalLM.from_pretrained(str(exports["debug_hybrid", "hybridtitan"])).eval()
+    x = tokens((2, 7))
+    with torch.no_grad():
+        out = hf(x, use_cache=True)
+        cache = out.cache
+        assert isinstance(cache, HybridCache) and isinstance(cache, Cache)
+        assert cache.get_seq_length() == 7 and cache.batch_size == 2
+        latents = [s for s in cache.inner.layers if "c_kv" in s]
+        assert latents and latents[0]["c_kv"].shape[:2] == (2, 7)  # MLA caches its latent, not K and V
+        cache.reorder_cache(torch.tensor([1, 0]))
+        step = hf(torch.full((2, 1), 42), cache=cache, use_cache=True).logits
+        full = hf(torch.cat([x[[1, 0]], torch.full((2, 1), 42)], dim=1), use_cache=False).logits[:, -1:]
+    torch.testing.assert_close(step, full, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="padded"):
+        hf.generate(x, attention_mask=torch.tensor([[0] * 2 + [1] * 5, [1] * 7]), max_new_tokens=2)
+
+
+# ------------------------------------------------------------------------------------------ FLA's layouts
+
+
+@pytest.mark.parametrize("flavor", ["debug_gdn", "debug_kda"])
+def test_fla_layout_loads_in_fla(flavor, trained, exports):
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Triton is not supported")
+    import fla  # noqa: F401 -- registers FLA's Auto classes
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from hybridtitan.checkpoint import load_model_args
+    from hybridtitan.hf.convert import load_hf_model, to_fla_key
+
+    folder = exports[flavor, "fla"]
+    args = load_model_args(str(trained[flavor] / "checkpoint" / f"step-{STEPS}"))
+    m = getattr(args, args.mixer)
+    config = json.loads((folder / "config.json").read_text())
+    expected = {
+        "model_type": {"debug_gdn": "gated_deltanet", "debug_kda": "kda"}[flavor],
+        "architectures": [{"debug_gdn": "GatedDeltaNetForCausalLM", "debug_kda": "KDAForCausalLM"}[flavor]],
+        "hidden_size": args.dim, "num_hidden_layers": args.n_layers // 2, "num_heads": m.num_heads,
+        "head_dim": m.head_dim, "expand_v": m.head_v_dim / m.head_dim, "intermediate_size": args.ffn_dim,
+        "vocab_size": args.vocab_size, "norm_eps": args.norm_eps, "conv_size": m.conv_size,
+        "use_short_conv": True, "tie_word_embeddings": True, "hidden_act": "swish", "attn": None,
+        "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1,
+    }
+    if flavor == "debug_gdn":
+        expected.update(num_v_heads=m.num_v_heads, use_gate=True)
+    assert {k: config.get(k) for k in expected} == expected
+    assert not (folder / "modeling_hybridtitan.py").exists()
+
+    files = load_file(str(folder / "model.safetensors"))
+    assert "lm_head.weight" not in files  # tied: FLA ties it on load; no two tensors share storage in the file
+    model, info = AutoModelForCausalLM.from_pretrained(str(folder), output_loading_info=True)
+    assert type(model).__name__ == expected["architectures"][0]
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert not info["error_msgs"], info
+    fla_state = model.state_dict()
+    assert model.lm_head.weight.data_ptr() == model.model.embeddings.weight.data_ptr()
+    ref = ours(trained[flavor])
+    mapped = {to_fla_key(k): v for k, v in ref.state_dict().items()}
+    assert set(fla_state) - {"lm_head.weight"} == set(mapped) == set(files)
+    for key, value in mapped.items():
+        assert fla_state[key].shape == value.shape and torch.equal(fla_state[key], value), key
+
+    # FLA's forward needs a GPU: read the export back into HybridLM (the reverse mapping) and compare logits
+    back = load_hf_model(str(folder)).eval()
+    x = tokens((2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(back(x), ref(x), atol=1e-5, rtol=0)
+
+
+def test_import_fla_to_dcp_step0_and_train_from_it(trained, exports, tmp_path):
+    """import_hf (CLI) turns an FLA export into a DCP step-0 with the same logits, and training starts from it."""
+    from hybridtitan.checkpoint import load_model
+    from hybridtitan.hf.convert import checkpoint_tokenizer
+    from hybridtitan.import_hf import import_hf
+
+    step0 = tmp_path / "gdn" / "checkpoint" / "step-0"
+    p = run_cli("hybridtitan.import_hf", "--model", str(exports["debug_gdn", "fla"]), "--output", str(step0))
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    assert (step0 / ".metadata").is_file() and (step0 / "tokenizer" / "tokenizer.json").is_file()
+    assert checkpoint_tokenizer(str(step0)) == str(step0 / "tokenizer")  # where export and eval find it
+    x = tokens((2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(str(step0))[0](x), ours(trained["debug_gdn"])(x), atol=1e-5, rtol=0)
+
+    # our own export of KDA imports too (in-process API)
+    kda0 = tmp_path / "kda" / "step-0"
+    assert import_hf(str(exports["debug_kda", "hybridtitan"]), str(kda0)) == "hybridtitan"
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(str(kda0))[0](x), ours(trained["debug_kda"])(x), atol=1e-5, rtol=0)
+
+    # the trainer treats a step-0 in its dump folder as a model-only start and trains on
+    t = run_cli("hybridtitan.train", "--job.config_file", "train_configs/debug_hybrid.toml", "--model.flavor",
+                "debug_gdn", "--training.steps", "1", "--job.dump_folder", str(tmp_path / "gdn"),
+                "--checkpoint.interval", "1", "--training.local_batch_size", "2", "--training.global_batch_size", "2",
+                "--training.seq_len", "64", "--metrics.no-enable_tensorboard", "--metrics.log_freq", "1")
+    out, err = t.communicate(timeout=600)
+    assert t.returncode == 0, (out + err)[-3000:]
+    assert "step-0" in out + err and (tmp_path / "gdn" / "checkpoint" / "step-1" / ".metadata").is_file()
+
+
+def test_sharded_bfloat16_export(trained, tmp_path):
+    """Past max_shard_size the weights are sharded with an index; --dtype bfloat16 casts every tensor."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import hybridtitan.hf  # noqa: F401
+    from hybridtitan.export_hf import export
+
+    out = tmp_path / "sharded"
+    export(str(trained["debug_hybrid"]), str(out), dtype="bfloat16", max_shard_size=1_000_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and not (out / "model.safetensors").exists()
+    ref = ours(trained["debug_hybrid"]).state_dict()
+    largest = max(t.numel() * 2 for t in ref.values())  # one tensor may exceed the limit alone
+    stored = {}
+    for name in shards:
+        assert (out / name).stat().st_size <= 1_000_000 + largest
+        stored.update(load_file(str(out / name)))
+    assert set(stored) == {"model." + k for k in ref}
+    assert index["metadata"]["total_size"] == sum(t.numel() * 2 for t in ref.values())
+    for k, v in ref.items():
+        assert stored["model." + k].dtype == torch.bfloat16 and torch.equal(stored["model." + k], v.to(torch.bfloat16))
+    hf = AutoModelForCausalLM.from_pretrained(str(out))
+    assert hf.dtype == torch.bfloat16
+    assert not list(tmp_path.glob(".*export*"))  # no temporary folder left
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+def _expect_error(capsys, main, argv, match: str) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and match in err, err
+    return err
+
+
+def test_export_bad_input(trained, tmp_path, capsys):
+    from hybridtitan.export_hf import main
+
+    dump = trained["debug_hybrid"]
+    out = tmp_path / "out"
+    # missing checkpoint folder
+    _expect_error(capsys, main, ["--checkpoint", str(tmp_path / "nope"), "--output", str(out)], "not found")
+    # a dump folder that holds only an interrupted save
+    partial = tmp_path / "partial"
+    shutil.copytree(dump / "checkpoint" / f"step-{STEPS}", partial / f"step-{STEPS}.partial")
+    _expect_error(capsys, main, ["--checkpoint", str(partial), "--output", str(out)], "incomplete")
+    # a step folder whose data file is gone
+    broken = tmp_path / "broken" / f"step-{STEPS}"
+    shutil.copytree(dump / "checkpoint" / f"step-{STEPS}", broken)
+    for f in broken.glob("*.distcp"):
+        f.unlink()
+    _expect_error(capsys, main, ["--checkpoint", str(broken), "--output", str(out)], "cannot read the model")
+    # step not found
+    _expect_error(capsys, main, ["--checkpoint", str(dump), "--step", "7", "--output", str(out)], "step 7 not found")
+    # FLA's layout asked for a hybrid
+    _expect_error(capsys, main, ["--checkpoint", str(dump), "--format", "fla", "--output", str(out)], "--format fla")
+    # an unknown option: one line too
+    _expect_error(capsys, main, ["--checkpoint", str(dump), "--output", str(out), "--dtype", "int3"], "--dtype")
+    assert not out.exists() and not list(tmp_path.glob(".out.export*"))
+    # an existing output folder is refused and left intact; --overwrite replaces it
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    _expect_error(capsys, main, ["--checkpoint", str(dump), "--output", str(out)], "exists")
+    assert (out / "keep.txt").read_text() == "mine" and len(list(out.iterdir())) == 1
+    main(["--checkpoint", str(dump), "--output", str(out), "--overwrite"])
+    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_import_bad_input(exports, tmp_path, capsys):
+    from hybridtitan.import_hf import main
+
+    out = tmp_path / "checkpoint" / "step-0"
+    _expect_error(capsys, main, ["--model", str(tmp_path / "nope"), "--output", str(out)], "not found")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _expect_error(capsys, main, ["--model", str(empty), "--output", str(out)], "no config.json")
+    foreign = tmp_path / "foreign"
+    shutil.copytree(exports["debug_gdn", "fla"], foreign)
+    cfg = json.loads((foreign / "config.json").read_text())
+    (foreign / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    _expect_error(capsys, main, ["--model", str(foreign), "--output", str(out)], "model_type 'llama'")
+    (foreign / "config.json").write_text(json.dumps({**cfg, "allow_neg_eigval": True}))
+    _expect_error(capsys, main, ["--model", str(foreign), "--output", str(out)], "allow_neg_eigval")
+    (foreign / "config.json").write_text(json.dumps(cfg))
+    (foreign / "model.safetensors").unlink()
+    _expect_error(capsys, main, ["--model", str(foreign), "--output", str(out)], "no weights")
+    assert not out.exists()
+    out.mkdir(parents=True)
+    _expect_error(capsys, main, ["--model", str(exports["debug_gdn", "fla"]), "--output", str(out)], "exists")
+    assert list(out.iterdir()) == []
