@@ -1,0 +1,74 @@
+"""python -m hybridtitan.describe: what a recipe builds, without building it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridtitan import describe as describe_mod
+from hybridtitan.models import build_model, get_flavor
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _json(capsys, argv):
+    describe_mod.main([*argv, "--json"])
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_counts_match_the_built_model(tmp_path, capsys):
+    recipe = tmp_path / "m.toml"
+    recipe.write_text('[model]\nflavor = "zebra_gdn_300M"\n')
+    d = _json(capsys, ["--job.config_file", str(recipe)])
+    model = build_model(get_flavor("zebra_gdn_300M"))  # meta device
+    assert d["params_total"] == sum(p.numel() for p in model.parameters()) == 309280624
+    assert d["params_non_embedding"] == d["params_total"] - model.embeddings.weight.numel()
+    assert d["pattern"] == "*-M-M-M-*-M-M-M-*-M-M-M-"
+    assert [layer["kind"] for layer in d["layers"]][:4] == ["attention", "mlp", "mixer", "mlp"]
+    assert d["flops_per_token"] == pytest.approx(sum(layer["flops_per_token"] for layer in d["layers"])
+                                                 + d["flops_per_token_output_layer"])
+    assert d["flops_per_token"] > 6 * d["params_total"]  # weights plus attention and recurrence
+    assert d["memory_estimate_gib"]["total"] > d["memory_estimate_gib"]["params_grads_optimizer"] > 0
+
+
+def test_flavor_and_pattern_overrides(capsys):
+    recipe = str(ROOT / "train_configs" / "debug_hybrid.toml")
+    a = _json(capsys, ["--job.config_file", recipe, "--model.flavor", "gdn_300M"])
+    assert a["params_total"] == 307767232 and a["pattern"] == "M-" * 12
+    b = _json(capsys, ["--job.config_file", recipe, "--model.pattern", "*-M-"])
+    assert b["pattern"] == "*-M-" and b["n_layers"] == 4
+    # attention is quadratic in the sequence, the mixers linear: a longer sequence costs the attention more
+    short = _json(capsys, ["--job.config_file", recipe, "--training.seq_len", "512"])
+    long = _json(capsys, ["--job.config_file", recipe, "--training.seq_len", "4096"])
+    for s, lg in zip(short["layers"], long["layers"]):
+        if s["kind"] == "attention":
+            assert lg["flops_per_token"] > s["flops_per_token"]
+        else:
+            assert lg["flops_per_token"] == s["flops_per_token"]
+
+
+def test_table_output(capsys):
+    describe_mod.main(["--model.flavor", "debug_kda"])
+    out = capsys.readouterr().out
+    assert "pattern M-M-" in out and "memory estimate" in out and "GFLOP/token" in out
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--model.flavor", "nope"], "model.flavor 'nope' is unknown"),
+    (["--model.pattern", "*-Q-"], "position 2"),
+    (["--model.mixer", "rwkv"], "model.mixer 'rwkv'"),
+])
+def test_bad_input_one_line_exit_2(argv, expected):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "hybridtitan.describe", *argv, "--json"], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], proc.stderr
+    assert proc.stdout == ""
