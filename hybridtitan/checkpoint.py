@@ -188,7 +188,8 @@ class CheckpointManager:
 
     def __init__(self, folder: str, *, model, optimizer, lr_scheduler, dataloader, train_state: Stateful,
                  dp_rank: int, dp_world_size: int, model_args: ModelArgs, job_config: dict, interval: int,
-                 keep_latest_k: int = 0, async_mode: str = "disabled", enable: bool = True):
+                 keep_latest_k: int = 0, async_mode: str = "disabled", enable: bool = True,
+                 first_step: bool = False, exclude_from_loading: tuple[str, ...] = ()):
         self.folder, self.enable = folder, enable
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.dataloader, self.train_state = dataloader, train_state
@@ -196,10 +197,13 @@ class CheckpointManager:
         self.model_args, self.job_config = model_args, job_config
         self.interval, self.keep_latest_k = interval, keep_latest_k
         self.async_mode = async_mode
+        self.first_step, self.exclude_from_loading = first_step, set(exclude_from_loading)
         self._pending: tuple[Future, str, str] | None = None
         self._async_pg = None
-        if enable and async_mode != "disabled":
-            # async saves run their collectives on a CPU group, beside the training's NCCL/RCCL group
+        if async_mode not in ("disabled", "async"):
+            raise ValueError(f"checkpoint.async_mode must be disabled or async, got {async_mode!r}")
+        if enable and async_mode == "async":
+            # async saves run their collectives on a CPU group of their own, beside the training's group
             self._async_pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
 
     # ---- what goes into a checkpoint
@@ -214,7 +218,7 @@ class CheckpointManager:
         }
 
     def should_save(self, step: int, last: bool) -> bool:
-        return self.enable and (last or step % self.interval == 0)
+        return self.enable and (last or step % self.interval == 0 or (self.first_step and step == 1))
 
     def save(self, step: int) -> None:
         if not self.enable:
@@ -283,6 +287,8 @@ class CheckpointManager:
         same_layout = len(saved_dp) == self.dp_world_size
         loader_rank = self.dp_rank if same_layout else 0
         states = self._states(f"dataloader.dp_rank_{loader_rank}")
+        for part in self.exclude_from_loading:  # e.g. a fresh optimizer or data order on a loaded model
+            states.pop(part if part != "dataloader" else f"dataloader.dp_rank_{loader_rank}")
         if not same_layout:
             states.pop(f"rng.dp_rank_{self.dp_rank}")
             logger.warning(f"resuming {len(saved_dp)} data-parallel ranks' checkpoint on {self.dp_world_size}: "

@@ -117,10 +117,9 @@ JobConfig = ConfigManager._merge_configs(TitanJobConfig, _Extension)
 
 # torchtitan keys hybridtitan reads; every other torchtitan key must keep its default value.
 SUPPORTED_TITAN_KEYS = {
-    "job": {"config_file", "dump_folder", "description", "print_config", "save_config_file"},
-    "profiling": {"enable_profiling", "save_traces_folder", "profile_freq", "profiler_active", "profiler_warmup",
-                  "enable_memory_snapshot", "save_memory_snapshot_folder"},
-    "metrics": {"log_freq", "enable_tensorboard", "save_tb_folder", "enable_wandb", "disable_color_printing"},
+    "job": {"config_file", "dump_folder", "description", "print_config"},
+    "profiling": {"enable_profiling", "save_traces_folder", "profile_freq", "profiler_active", "profiler_warmup"},
+    "metrics": {"log_freq", "enable_tensorboard", "save_tb_folder", "enable_wandb"},
     "model": {"name", "flavor"},
     "optimizer": {"name", "lr", "beta1", "beta2", "eps", "weight_decay", "implementation"},
     "lr_scheduler": {"warmup_steps", "total_steps", "decay_ratio", "decay_type", "min_lr_factor"},
@@ -131,7 +130,7 @@ SUPPORTED_TITAN_KEYS = {
                    "load_step", "async_mode", "exclude_from_loading", "enable_first_step_checkpoint"},
     "activation_checkpoint": {"mode", "selective_ac_option"},
     "compile": {"enable", "components"},
-    "comm": {"init_timeout_seconds", "train_timeout_seconds"},
+    "comm": {"init_timeout_seconds"},
     "debug": {"seed", "deterministic"},
 }
 
@@ -355,6 +354,14 @@ def validate(cfg, check_data: bool = True) -> None:
         raise ConfigError(f"optimizer.name must be AdamW or Adam, got {cfg.optimizer.name!r}")
     if cfg.optimizer.lr <= 0:
         raise ConfigError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}")
+    if cfg.checkpoint.async_mode not in ("disabled", "async"):
+        raise ConfigError(f"checkpoint.async_mode must be disabled or async, got {cfg.checkpoint.async_mode!r}")
+    unknown = set(cfg.checkpoint.exclude_from_loading) - {"optimizer", "lr_scheduler", "dataloader", "train_state"}
+    if unknown:
+        raise ConfigError(f"checkpoint.exclude_from_loading: unknown part(s) {', '.join(sorted(unknown))}; allowed: "
+                          "optimizer, lr_scheduler, dataloader, train_state")
+    if set(cfg.compile.components) - {"model", "loss"}:
+        raise ConfigError(f"compile.components must name model and/or loss, got {cfg.compile.components}")
     if cfg.activation_checkpoint.mode not in ("none", "selective", "full"):
         raise ConfigError("activation_checkpoint.mode must be none, selective or full")
     if cfg.activation_checkpoint.mode == "selective" and not cfg.activation_checkpoint.selective_ac_option.isdigit():

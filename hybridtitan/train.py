@@ -171,12 +171,18 @@ def train(cfg, plan: Plan) -> dict:
         model.init_weights()
     on_gpu = device.type == "cuda"
     param_dtype = getattr(torch, cfg.training.mixed_precision_param) if on_gpu else torch.float32
+    if not on_gpu and cfg.training.mixed_precision_param != "float32":
+        logger.info("CPU: parameters and activations in float32 (training.mixed_precision_param applies to GPUs)")
     parallelize(model, mesh, ac_mode=cfg.activation_checkpoint.mode,
                 ac_every=int(cfg.activation_checkpoint.selective_ac_option or 1),
                 compile_model=cfg.compile.enable and "model" in cfg.compile.components,
                 param_dtype=param_dtype, reduce_dtype=torch.float32,
                 reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward)
     model.train()
+    if cfg.compile.enable and "loss" in cfg.compile.components:
+        logger.info("compile: the chunked linear cross-entropy is not compiled (it runs eagerly); the sublayers are"
+                    if "model" in cfg.compile.components else
+                    "compile: the chunked linear cross-entropy is not compiled (it runs eagerly)")
 
     optimizer = build_optimizer(model, cfg, device.type)
     lr_scheduler = build_lr_scheduler(optimizer, cfg)
@@ -190,7 +196,9 @@ def train(cfg, plan: Plan) -> dict:
         lr_scheduler=lr_scheduler, dataloader=dataloader, train_state=state, dp_rank=dp_rank,
         dp_world_size=dp.size, model_args=args, job_config=job_dict, interval=cfg.checkpoint.interval,
         keep_latest_k=cfg.checkpoint.keep_latest_k,
-        async_mode=cfg.checkpoint.async_mode if on_gpu else "disabled", enable=cfg.checkpoint.enable)
+        async_mode=cfg.checkpoint.async_mode, enable=cfg.checkpoint.enable,
+        first_step=cfg.checkpoint.enable_first_step_checkpoint,
+        exclude_from_loading=tuple(cfg.checkpoint.exclude_from_loading))
     _resume(cfg, ckpt, state)
 
     if rank == 0:

@@ -108,6 +108,19 @@ def test_keep_latest_k_and_partial_save_ignored(tmp_path):
     assert max(losses(dump)) == 9
 
 
+def test_async_checkpoints_complete_and_resume(tmp_path):
+    """checkpoint.async_mode = async: saves finish in the background, are renamed once complete, and resume."""
+    dump = tmp_path / "run"
+    common = [*QUICK, "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--checkpoint.async_mode",
+              "async", "--checkpoint.keep_latest_k", "0"]
+    run_train(dump, *common, "--training.steps", "6", "--checkpoint.enable_first_step_checkpoint", "true")
+    assert complete_steps(str(dump / "checkpoint")) == [1, 2, 4, 6]
+    assert not list((dump / "checkpoint").glob("*.partial"))
+    # resumes from step 6; the data loader's position is left out on request (the data restarts)
+    proc = run_train(dump, *common, "--training.steps", "8", "--checkpoint.exclude_from_loading", "dataloader")
+    assert "step-6" in proc.stdout and max(losses(dump)) == 8
+
+
 def test_gradient_accumulation_matches_larger_batch(tmp_path):
     """local batch 2 x 2 accumulation steps == local batch 4 (same data, same update, up to rounding)."""
     big, acc = tmp_path / "big", tmp_path / "acc"
