@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
+from hybridtitan import ops
 from hybridtitan.checkpoint import CheckpointManager, resolve_checkpoint
 from hybridtitan.config import ConfigError, model_args, parse_config, to_dict
 from hybridtitan.data import build_dataloader, build_tokenizer
@@ -139,6 +140,23 @@ def _set_allocator(cfg, device: torch.device) -> None:
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
+def build_parallel_model(args, mesh, device: torch.device, *, ac_mode: str = "none", ac_every: int = 1,
+                         compile_model: bool = False, param_dtype: torch.dtype = torch.float32,
+                         reshard_after_forward: str = "default"):
+    """The training model: initialised whole from the seed, then wrapped (AC -> compile -> FSDP2).
+
+    Initialising before sharding makes the initial weights independent of the number of ranks (random ops on
+    sharded CPU tensors would repeat the same numbers in every shard). The benchmark builds its models here too.
+    """
+    model = build_model(args, "meta")
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights()
+    parallelize(model, mesh, ac_mode=ac_mode, ac_every=ac_every, compile_model=compile_model,
+                param_dtype=param_dtype, reduce_dtype=torch.float32, reshard_after_forward=reshard_after_forward)
+    return model.train()
+
+
 def train(cfg, plan: Plan) -> dict:
     device = plan.device
     _set_allocator(cfg, device)
@@ -162,27 +180,17 @@ def train(cfg, plan: Plan) -> dict:
                 f"gradient accumulation {plan.grad_accum}")
 
     mesh = build_mesh(dp, device.type)
-    # Initialised whole, then sharded: every rank draws the same full tensors from the seed, so the initial
-    # weights do not depend on the number of ranks (random ops on sharded CPU tensors would repeat the same
-    # numbers in every shard).
-    model = build_model(args, "meta")
-    model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_weights()
     on_gpu = device.type == "cuda"
     param_dtype = getattr(torch, cfg.training.mixed_precision_param) if on_gpu else torch.float32
     if not on_gpu and cfg.training.mixed_precision_param != "float32":
         logger.info("CPU: parameters and activations in float32 (training.mixed_precision_param applies to GPUs)")
-    parallelize(model, mesh, ac_mode=cfg.activation_checkpoint.mode,
-                ac_every=int(cfg.activation_checkpoint.selective_ac_option or 1),
-                compile_model=cfg.compile.enable and "model" in cfg.compile.components,
-                param_dtype=param_dtype, reduce_dtype=torch.float32,
-                reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward)
-    model.train()
+    model = build_parallel_model(args, mesh, device, ac_mode=cfg.activation_checkpoint.mode,
+                                 ac_every=int(cfg.activation_checkpoint.selective_ac_option or 1),
+                                 compile_model=cfg.compile.enable and "model" in cfg.compile.components,
+                                 param_dtype=param_dtype,
+                                 reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward)
     if cfg.compile.enable and "loss" in cfg.compile.components:
-        logger.info("compile: the chunked linear cross-entropy is not compiled (it runs eagerly); the sublayers are"
-                    if "model" in cfg.compile.components else
-                    "compile: the chunked linear cross-entropy is not compiled (it runs eagerly)")
+        ops.compile_loss(True)  # the elementwise part of each cross-entropy chunk, fused
 
     optimizer = build_optimizer(model, cfg, device.type)
     lr_scheduler = build_lr_scheduler(optimizer, cfg)
@@ -281,7 +289,8 @@ def _loop(cfg, plan, model, optimizer, lr_scheduler, dataloader, state, ckpt, me
                 labels = batch["labels"].to(device, non_blocking=True)
                 cu = batch.get("cu_seqlens")
                 cu = cu.to(device, dtype=torch.long, non_blocking=True) if cu is not None else None
-                loss = model(input_ids, labels=labels, cu_seqlens=cu) / plan.grad_accum
+                loss = model(input_ids, labels=labels, cu_seqlens=cu, loss_chunk_size=t.loss_chunk_size)
+                loss = loss / plan.grad_accum
                 loss.backward()
                 loss_acc += loss.detach()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm, foreach=True)

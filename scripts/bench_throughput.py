@@ -72,7 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--no-oom-retry", action="store_true", help="on out-of-memory, report instead of a smaller batch")
-    p.add_argument("--compile", action="store_true", help="torch.compile each of our sublayers (apply_compile)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each of our sublayers and the cross-entropy chunks (as the trainer's compile)")
     p.add_argument("--ac", choices=("none", "full"), default="none",
                    help="activation checkpointing, every sublayer (ours) / every block (FLA)")
     p.add_argument("--profile", default=None,
@@ -169,20 +170,13 @@ def model_args_for(name: str, tiny: bool):
 
 
 def build_ours(margs, mesh, device, param_dtype, ac: str, compile_model: bool):
-    """As the trainer: built on meta, AC -> compile -> FSDP2, to_empty, init_weights."""
-    from hybridtitan.models import build_model
-    from hybridtitan.parallel import apply_activation_checkpointing, apply_compile, apply_fsdp
+    """Exactly as the trainer builds it (hybridtitan.train.build_parallel_model); --compile also fuses the
+    cross-entropy chunks, as the trainer's compile.components = ["model", "loss"]."""
+    from hybridtitan import ops
+    from hybridtitan.train import build_parallel_model
 
-    model = build_model(margs, "meta")
-    apply_activation_checkpointing(model, ac)
-    if compile_model:
-        apply_compile(model)
-    apply_fsdp(model, mesh, param_dtype, torch.float32)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_weights()
-    model.train()
-    return model
+    ops.compile_loss(compile_model)
+    return build_parallel_model(margs, mesh, device, ac_mode=ac, compile_model=compile_model, param_dtype=param_dtype)
 
 
 def build_fla(margs, impl: str, mesh, device, param_dtype, ac: str):

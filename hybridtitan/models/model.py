@@ -96,13 +96,15 @@ class HybridLM(nn.Module):
         return self.norm(h).view(B, T, -1)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, cu_seqlens=None,
-                cache: InferenceCache | None = None, ignore_index: int = -100) -> torch.Tensor:
-        """Mean cross-entropy over the counted labels if ``labels`` are given (logits never held whole),
-        else the logits [B, T, V] in float32."""
+                cache: InferenceCache | None = None, ignore_index: int = -100,
+                loss_chunk_size: int = 4096) -> torch.Tensor:
+        """Mean cross-entropy over the counted labels if ``labels`` are given (the logits are formed
+        ``loss_chunk_size`` tokens at a time, never whole), else the logits [B, T, V] in float32."""
         h = self.hidden_states(input_ids, cu_seqlens=cu_seqlens, cache=cache)
         if labels is None:
             return (h @ self.output_weight.t()).float()
-        loss_sum, count = ops.linear_cross_entropy(h, self.output_weight, labels, ignore_index=ignore_index)
+        loss_sum, count = ops.linear_cross_entropy(h, self.output_weight, labels, ignore_index=ignore_index,
+                                                   chunk_size=loss_chunk_size)
         return loss_sum / count.clamp(min=1)
 
     @torch.no_grad()

@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from . import reference
+from .cross_entropy import compile_chunks as compile_loss
 from .cross_entropy import linear_cross_entropy
 
 __all__ = [
     "gated_delta_rule", "kda", "simple_gla", "causal_conv1d", "rms_norm", "gated_rms_norm", "swiglu",
-    "attention", "linear_cross_entropy", "use_reference_kernels", "backend_for",
+    "attention", "linear_cross_entropy", "compile_loss", "use_reference_kernels", "backend_for",
 ]
 
 _FORCE_REFERENCE = False

@@ -5,11 +5,43 @@ The logits of a 128K vocabulary are the largest activation of a small model (204
 formed, turned into its loss and, while they are at hand, into the gradients of the hidden states and of the
 weight. Only those gradients are kept for the backward pass, so the extra memory is one chunk of logits. Plain
 PyTorch: the same code runs on CPU, CUDA and ROCm.
+
+Eagerly, a chunk's softmax costs several passes over its logits (float conversion, max, exp, sum, scaling,
+cast). ``compile_chunks(True)`` (the trainer's ``compile.components = ["loss"]``) runs that elementwise part
+through torch.compile instead, which fuses it into a couple of kernels that read the logits once.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+_COMPILED = False
+
+
+def compile_chunks(enable: bool = True) -> None:
+    """Fuse each chunk's softmax and gradient with torch.compile (the matrix products stay as they are)."""
+    global _COMPILED
+    _COMPILED = enable
+
+
+def _chunk_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor):
+    """Summed loss of one chunk and d loss / d logits (softmax - onehot, zero where not valid), in the logits'
+    dtype. logits: [c, V] as the matrix product gave them; target: [c, 1] (in range); valid: [c]."""
+    x = logits.float()
+    peak = x.amax(dim=1, keepdim=True)
+    e = torch.exp(x - peak)
+    sum_e = e.sum(dim=1, keepdim=True)
+    weight = valid.to(torch.float32).unsqueeze(1)
+    loss = ((peak + sum_e.log() - x.gather(1, target)) * weight).sum()
+    grad = (e * (weight / sum_e)).scatter_add(1, target, -weight)
+    return loss, grad.to(logits.dtype)
+
+
+@functools.cache
+def _compiled_chunk():
+    return torch.compile(_chunk_loss_and_grad, dynamic=False)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -25,6 +57,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             t = targets[start:start + chunk_size]
             valid = t != ignore_index
             safe_t = torch.where(valid, t, torch.zeros_like(t)).unsqueeze(1)
+            if _COMPILED and need_grad:
+                loss, probs = _compiled_chunk()(h @ weight.t(), safe_t, valid)
+                total += loss
+                _accumulate(grad_hidden, grad_weight, probs.to(hidden.dtype), h, weight, start)
+                continue
             logits = (h @ weight.t()).float()
             target_logit = logits.gather(1, safe_t)
             # one exponential pass serves the loss and the gradient: e = exp(logits - max), lse = max + log(sum e)
@@ -37,12 +74,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 # d loss / d logits = softmax - onehot(target), zero on ignored tokens
                 probs = e.mul_(valid.unsqueeze(1) / sum_e)
                 probs.scatter_add_(1, safe_t, -valid.unsqueeze(1).to(probs.dtype))
-                probs = probs.to(hidden.dtype)
-                grad_hidden[start:start + chunk_size] = probs @ weight
-                if probs.dtype == torch.float32:
-                    grad_weight.addmm_(probs.t(), h)
-                else:  # a low-precision product (fp32 accumulation inside), summed over chunks in fp32
-                    grad_weight.add_(probs.t() @ h)
+                _accumulate(grad_hidden, grad_weight, probs.to(hidden.dtype), h, weight, start)
         if need_grad:
             ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return total
@@ -53,6 +85,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         gh = grad_hidden * grad_output.to(grad_hidden.dtype) if ctx.needs_input_grad[0] else None
         gw = grad_weight * grad_output.to(grad_weight.dtype) if ctx.needs_input_grad[1] else None
         return gh, gw, None, None, None
+
+
+def _accumulate(grad_hidden, grad_weight, probs, h, weight, start: int) -> None:
+    """The chunk's share of the gradients: d hidden = probs W, d W += probs^T h."""
+    grad_hidden[start:start + probs.shape[0]] = probs @ weight
+    if probs.dtype == torch.float32:
+        grad_weight.addmm_(probs.t(), h)
+    else:  # a low-precision product (fp32 accumulation inside), summed over chunks in fp32
+        grad_weight.add_(probs.t() @ h)
 
 
 def linear_cross_entropy(
