@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -34,9 +36,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
+from hybridtitan.errors import first_error_line
 from hybridtitan.models import HybridLM, ModelArgs, build_model
 
 logger = logging.getLogger("hybridtitan")
@@ -121,18 +123,9 @@ def load_model(path: str, device: str | torch.device = "cpu", dtype: torch.dtype
     try:
         dcp.load({"model": state}, checkpoint_id=step_dir, no_dist=True)
     except (Exception, CheckpointException) as e:  # a damaged or foreign folder: name it in one line
-        raise CheckpointError(f"cannot read the model from {step_dir}: {_first_failure(e)}") from None
+        raise CheckpointError(f"cannot read the model from {step_dir}: {first_error_line(e, with_type=True)}") from None
     model.load_state_dict(state, strict=True)
     return model.to(dtype), step_dir
-
-
-def _first_failure(e: BaseException) -> str:
-    """DCP wraps per-rank errors in a CheckpointException (a BaseException) whose text is a rank listing."""
-    failures = getattr(e, "failures", None)
-    if failures:
-        e = next(iter(failures.values()))
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
 
 
 def save_model_checkpoint(model: HybridLM, step_dir: str) -> None:
@@ -209,7 +202,7 @@ class CheckpointManager:
     # ---- what goes into a checkpoint
     def _states(self, dataloader_key: str) -> dict[str, Any]:
         return {
-            **{"model": _ModelState(self.model)},
+            "model": _ModelState(self.model),
             "optimizer": _OptimizerState(self.model, self.optimizer),
             "lr_scheduler": self.lr_scheduler,
             "train_state": self.train_state,
@@ -220,7 +213,9 @@ class CheckpointManager:
     def should_save(self, step: int, last: bool) -> bool:
         return self.enable and (last or step % self.interval == 0 or (self.first_step and step == 1))
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, model_only: bool = False) -> None:
+        """All the training state at ``step`` (only the model with ``model_only``: export and evaluation read it,
+        training can start from it but not continue the run)."""
         if not self.enable:
             return
         self.wait()
@@ -232,6 +227,8 @@ class CheckpointManager:
         _barrier()
         t0 = time.monotonic()
         states = self._states(f"dataloader.dp_rank_{self.dp_rank}")
+        if model_only:
+            states = {"model": states["model"]}
         if self.async_mode != "disabled":
             future = dcp.async_save(states, checkpoint_id=partial, process_group=self._async_pg)
             self._pending = (future, partial, final)
@@ -264,14 +261,26 @@ class CheckpointManager:
             with open(tmp, "w") as f:
                 f.write(os.path.basename(final) + "\n")
             os.replace(tmp, os.path.join(self.folder, "latest"))
-            self._purge()
         _barrier()
+        if _rank() == 0:
+            self._purge()
 
     def _purge(self) -> None:
+        """Deletes the checkpoints beyond keep_latest_k in a background thread: deleting a large checkpoint can
+        take longer than the other ranks should wait in a collective."""
         if self.keep_latest_k <= 0:
             return
-        for step in complete_steps(self.folder)[:-self.keep_latest_k]:
-            shutil.rmtree(os.path.join(self.folder, f"step-{step}"), ignore_errors=True)
+        old = [os.path.join(self.folder, f"step-{s}") for s in complete_steps(self.folder)[:-self.keep_latest_k]]
+        if old:
+            self._join_purge()
+            self._purge_thread = threading.Thread(target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in old],
+                                                  daemon=True)
+            self._purge_thread.start()
+
+    def _join_purge(self) -> None:
+        if getattr(self, "_purge_thread", None) is not None:
+            self._purge_thread.join()
+            self._purge_thread = None
 
     def latest_step(self) -> int | None:
         steps = complete_steps(self.folder)
@@ -283,6 +292,10 @@ class CheckpointManager:
             dcp.load({"model": _ModelState(self.model)}, checkpoint_id=step_dir)
             return
         keys = set(dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata)
+        if not any(k.startswith("optimizer.") for k in keys):
+            logger.warning(f"{step_dir} holds only the model: the optimizer, schedule and data start afresh")
+            dcp.load({"model": _ModelState(self.model)}, checkpoint_id=step_dir)
+            return
         saved_dp = sorted({int(m.group(1)) for k in keys if (m := re.match(r"dataloader\.dp_rank_(\d+)", k))})
         same_layout = len(saved_dp) == self.dp_world_size
         loader_rank = self.dp_rank if same_layout else 0
@@ -297,6 +310,7 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.wait()
+        self._join_purge()
 
 
 class _RNGState(Stateful):

@@ -16,6 +16,7 @@ import difflib
 import io
 import os
 import sys
+import types
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Literal
@@ -30,6 +31,7 @@ from torchtitan.config import JobConfig as TitanJobConfig
 
 from hybridtitan.data.config import Data, validate_data_config
 from hybridtitan.models import GDNArgs, KDAArgs, Mamba2Args, MLAArgs, ModelArgs, get_flavor
+from hybridtitan.models.pattern import pattern_from_ratio
 
 
 class ConfigError(ValueError):
@@ -107,9 +109,17 @@ class Training:
 
 
 @dataclass
+class Checkpoint:
+    last_save_model_only: bool = False
+    """Save only the model at the last step (smaller; the run cannot be extended from it). Off: the last
+    checkpoint is a full one, like every other"""
+
+
+@dataclass
 class _Extension:
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
     data: Data = field(default_factory=Data)
 
 
@@ -146,7 +156,7 @@ def _type_ok(value: Any, tp: Any) -> bool:
     origin = typing.get_origin(tp)
     if tp is Any:
         return True
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         return any(_type_ok(value, t) for t in typing.get_args(tp))
     if tp is type(None):
         return value is None
@@ -172,7 +182,7 @@ def _describe_type(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe_type(t) for t in typing.get_args(tp))
     if tp is type(None):
         return "none"
@@ -291,7 +301,7 @@ def parse_config(args: list[str] | None = None, check_data: bool = True):
             raise ConfigError("job.custom_config_module is not used: hybridtitan's sections are built in")
     _check_cli(args)
     args = _normalize_bools(args)
-    manager = ConfigManager(JobConfig)
+    manager = _Manager(JobConfig)
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured) \
@@ -305,6 +315,14 @@ def parse_config(args: list[str] | None = None, check_data: bool = True):
         raise ConfigError(str(e).splitlines()[0]) from None
     validate(cfg, check_data=check_data)
     return cfg
+
+
+class _Manager(ConfigManager):
+    """torchtitan's ConfigManager without its own checks, which concern torchtitan's models (a tokenizer at
+    model.hf_assets_path): validate() below checks what hybridtitan uses."""
+
+    def _validate_config(self) -> None:
+        pass
 
 
 def _tyro_error_line(text: str) -> str:
@@ -364,9 +382,10 @@ def validate(cfg, check_data: bool = True) -> None:
         raise ConfigError(f"compile.components must name model and/or loss, got {cfg.compile.components}")
     if cfg.activation_checkpoint.mode not in ("none", "selective", "full"):
         raise ConfigError("activation_checkpoint.mode must be none, selective or full")
-    if cfg.activation_checkpoint.mode == "selective" and not cfg.activation_checkpoint.selective_ac_option.isdigit():
-        raise ConfigError("activation_checkpoint.selective_ac_option must be an integer N (checkpoint every N-th "
-                          f"sublayer), got {cfg.activation_checkpoint.selective_ac_option!r}")
+    option = cfg.activation_checkpoint.selective_ac_option
+    if cfg.activation_checkpoint.mode == "selective" and not (option.isdigit() and int(option) >= 1):
+        raise ConfigError("activation_checkpoint.selective_ac_option must be an integer N >= 1 (checkpoint every "
+                          f"N-th sublayer), got {option!r}")
     if cfg.model.name != "hybrid":
         raise ConfigError(f"model.name must be 'hybrid', got {cfg.model.name!r}")
     try:
@@ -394,8 +413,18 @@ def model_args(cfg) -> ModelArgs:
         changes["pattern"] = m.pattern
         changes.setdefault("n_layers", len(m.pattern))
     elif "n_layers" in changes or "hybrid_attention_ratio" in changes:
+        if base.pattern != pattern_from_ratio(base.n_layers, base.hybrid_attention_ratio):
+            raise ConfigError(f"model.flavor {m.flavor!r} has a hand-written pattern ({base.pattern}) that "
+                              "hybrid_attention_ratio does not give: to change its depth, give model.pattern")
         changes["pattern"] = ""  # rebuilt from the ratio
     return dataclasses.replace(base, **changes)
+
+
+def selective_ac_interval(cfg) -> int:
+    """Selective activation checkpointing wraps every N-th sublayer; 1 for the other modes."""
+    if cfg.activation_checkpoint.mode != "selective":
+        return 1
+    return int(cfg.activation_checkpoint.selective_ac_option)
 
 
 def to_dict(cfg) -> dict:

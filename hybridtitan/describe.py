@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 
-from hybridtitan.config import ConfigError, model_args, parse_config
+from hybridtitan.config import ConfigError, model_args, parse_config, selective_ac_interval
 from hybridtitan.models import FLAVORS
 from hybridtitan.models.flops import flops_per_token, param_counts, sublayer_flops, sublayer_params
 
@@ -51,7 +51,7 @@ def describe(cfg) -> dict:
     shard = max(cfg.parallelism.data_parallel_shard_degree, 1)
     tokens = t.local_batch_size * t.seq_len
     ac = cfg.activation_checkpoint.mode
-    every = int(cfg.activation_checkpoint.selective_ac_option or 1) if ac == "selective" else 1
+    every = selective_ac_interval(cfg)
     act = 0
     for i, kind in enumerate(args.kinds):
         kept = ac == "none" or (ac == "selective" and i % every != 0)

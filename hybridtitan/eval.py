@@ -227,7 +227,12 @@ def load_for_eval(checkpoint: str, *, step: int | None = None, device: str = "cp
 
     from hybridtitan.checkpoint import load_model_args, resolve_checkpoint
     from hybridtitan.hf.convert import (
-        ConversionError, checkpoint_tokenizer, is_hf_folder, load_hf_model, load_tokenizer, model_from_state,
+        ConversionError,
+        checkpoint_tokenizer,
+        is_hf_folder,
+        load_hf_model,
+        load_tokenizer,
+        model_from_state,
         read_dcp_model_state,
     )
 

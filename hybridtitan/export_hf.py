@@ -58,9 +58,18 @@ def export(checkpoint: str, output: str, *, step: int | None = None, dtype: str 
     import torch
 
     from hybridtitan.checkpoint import load_model_args, resolve_checkpoint
+    from hybridtitan.data.tokenizer import vocab_mismatch
     from hybridtitan.hf.convert import (
-        DEFAULT_MAX_SHARD_SIZE, ConversionError, checkpoint_tokenizer, fla_config, fla_layout_problem,
-        load_tokenizer, publish_folder, read_dcp_model_state, to_fla_key, write_safetensors,
+        DEFAULT_MAX_SHARD_SIZE,
+        ConversionError,
+        checkpoint_tokenizer,
+        fla_config,
+        fla_layout_problem,
+        load_tokenizer,
+        publish_folder,
+        read_dcp_model_state,
+        to_fla_key,
+        write_safetensors,
     )
 
     output = os.path.normpath(output)
@@ -86,9 +95,9 @@ def export(checkpoint: str, output: str, *, step: int | None = None, dtype: str 
     if not tok_path:
         raise ConversionError(f"{step_dir} names no tokenizer (no job_config.json); pass --tokenizer")
     tok = load_tokenizer(tok_path)
-    if len(tok) > args.vocab_size:
-        raise ConversionError(f"the tokenizer ({len(tok)} tokens, {tok_path}) is larger than the model's vocabulary "
-                              f"({args.vocab_size})")
+    problem = vocab_mismatch(tok, args.vocab_size)
+    if problem:
+        raise ConversionError(f"{problem} ({tok_path})")
     state = read_dcp_model_state(step_dir, args)
 
     torch_dtype = getattr(torch, dtype)
@@ -169,7 +178,7 @@ def fail(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    if os.path.exists(args.output) and not args.overwrite:  # before the slow imports
+    if os.path.exists(args.output) and not args.overwrite:  # before reading any checkpoint
         fail(f"output folder exists: {os.path.normpath(args.output)} (pass --overwrite to replace it)")
     warnings.filterwarnings("ignore", message="Triton is not supported")  # FLA on a CPU machine
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP read in one process

@@ -28,6 +28,7 @@ def import_hf(model: str, output: str, *, tokenizer: str | None = None, overwrit
     """Writes the DCP step folder ``output`` from a Hugging Face folder; returns the model_type read.
     Raises ConversionError (one line) on bad input, before writing anything."""
     from hybridtitan.checkpoint import save_model_checkpoint
+    from hybridtitan.data.tokenizer import vocab_mismatch
     from hybridtitan.hf.convert import ConversionError, load_tokenizer, model_from_state, publish_folder, read_hf_model
 
     output = os.path.normpath(output)
@@ -38,9 +39,9 @@ def import_hf(model: str, output: str, *, tokenizer: str | None = None, overwrit
     del state
     tok_path = tokenizer or (model if _has_tokenizer(model) else None)
     tok = load_tokenizer(tok_path) if tok_path else None
-    if tok is not None and len(tok) > args.vocab_size:
-        raise ConversionError(f"the tokenizer ({len(tok)} tokens, {tok_path}) is larger than the model's vocabulary "
-                              f"({args.vocab_size})")
+    problem = tok is not None and vocab_mismatch(tok, args.vocab_size)
+    if problem:
+        raise ConversionError(f"{problem} ({tok_path})")
 
     parent = os.path.dirname(os.path.abspath(output))
     os.makedirs(parent, exist_ok=True)
@@ -69,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    if os.path.exists(args.output) and not args.overwrite:  # before the slow imports
+    if os.path.exists(args.output) and not args.overwrite:  # before reading any checkpoint
         fail(f"output folder exists: {os.path.normpath(args.output)} (pass --overwrite to replace it)")
     if not os.path.isdir(args.model):
         fail(f"model folder not found: {args.model}")

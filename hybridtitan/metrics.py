@@ -33,7 +33,7 @@ def _fmt_time(seconds: float) -> str:
 class MetricsLogger:
     def __init__(self, dump_folder: str, *, rank: int, total_steps: int, flops_per_token: float,
                  device: torch.device, enable_tensorboard: bool, tb_folder: str, enable_wandb: bool,
-                 job_config: dict | None = None, color: bool = True):
+                 job_config: dict | None = None):
         self.rank, self.total_steps = rank, total_steps
         self.flops_per_token, self.device = flops_per_token, device
         self.peak = peak_flops(device)

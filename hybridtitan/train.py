@@ -17,7 +17,6 @@ import datetime
 import gc
 import json
 import logging
-import math
 import os
 import signal
 import sys
@@ -31,9 +30,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from hybridtitan import ops
-from hybridtitan.checkpoint import CheckpointManager, resolve_checkpoint
-from hybridtitan.config import ConfigError, model_args, parse_config, to_dict
+from hybridtitan.checkpoint import CheckpointManager, complete_steps, load_model_args, resolve_checkpoint
+from hybridtitan.config import ConfigError, model_args, parse_config, selective_ac_interval, to_dict
 from hybridtitan.data import build_dataloader, build_tokenizer
+from hybridtitan.errors import first_error_line
 from hybridtitan.metrics import MetricsLogger
 from hybridtitan.models import build_model
 from hybridtitan.models.flops import flops_per_token, param_counts
@@ -71,6 +71,8 @@ class Plan:
     grad_accum: int
     tokenizer: Any
     model_args: Any
+    dataloader: Any
+    seed: int
 
 
 def preflight(cfg) -> Plan:
@@ -95,16 +97,48 @@ def preflight(cfg) -> Plan:
             tokenizer = build_tokenizer(cfg.data.tokenizer)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if len(tokenizer) > args.vocab_size:
-            raise ConfigError(f"tokenizer vocabulary ({len(tokenizer)}, data.tokenizer={cfg.data.tokenizer}) is "
-                              f"larger than the model's vocab_size ({args.vocab_size})")
-    if cfg.checkpoint.initial_load_path:
+    seed = 42 if cfg.debug.seed is None else cfg.debug.seed
+    try:  # only data parallelism: the data-parallel rank is the global rank
+        dataloader = build_dataloader(
+            cfg.data, tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
+            dp_rank=int(os.environ.get("RANK", "0")), dp_world_size=dp.size, seed=seed, vocab_size=args.vocab_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _check_checkpoints(cfg, args)
+    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    return Plan(device, world_size, dp, global_batch // per_step, tokenizer, args, dataloader, seed)
+
+
+def _check_checkpoints(cfg, args) -> None:
+    """The checkpoint a run would start from exists and holds this model; a rewind would not be undone later."""
+    folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+    start = None
+    if cfg.checkpoint.enable and cfg.checkpoint.load_step > 0:
         try:
-            resolve_checkpoint(cfg.checkpoint.initial_load_path)
+            start = resolve_checkpoint(folder, cfg.checkpoint.load_step)
+        except ValueError as e:
+            raise ConfigError(f"checkpoint.load_step: {e}") from None
+        newer = [s for s in complete_steps(folder) if s > cfg.checkpoint.load_step]
+        if newer:
+            raise ConfigError(f"checkpoint.load_step {cfg.checkpoint.load_step} is older than step(s) "
+                              f"{', '.join(map(str, newer))} in {folder}: move those folders away first (the next "
+                              "resume would return to them, and keep_latest_k would delete the new ones)")
+    elif cfg.checkpoint.enable and complete_steps(folder):
+        start = os.path.join(folder, f"step-{complete_steps(folder)[-1]}")
+    elif cfg.checkpoint.initial_load_path:
+        try:
+            start = resolve_checkpoint(cfg.checkpoint.initial_load_path)
         except ValueError as e:
             raise ConfigError(f"checkpoint.initial_load_path: {e}") from None
-    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    return Plan(device, world_size, dp, global_batch // per_step, tokenizer, args)
+    if start is not None:
+        try:
+            saved = load_model_args(start)
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise ConfigError(f"{start} is not a hybridtitan checkpoint: {first_error_line(e)}") from None
+        if saved != args:
+            diff = [f.name for f in dataclasses.fields(args) if getattr(saved, f.name) != getattr(args, f.name)]
+            raise ConfigError(f"{start} holds a different model than the recipe (differs in: model."
+                              f"{', model.'.join(diff)}); use another job.dump_folder or the checkpoint's model")
 
 
 def _init_distributed(plan: Plan, cfg) -> None:
@@ -165,8 +199,7 @@ def train(cfg, plan: Plan) -> dict:
     _setup_logging(rank)
     dp = plan.dp
     dp_rank = rank  # the data-parallel rank: only data parallelism, so it is the global rank
-    seed = 42 if cfg.debug.seed is None else cfg.debug.seed
-    torch.manual_seed(seed)
+    torch.manual_seed(plan.seed)
     if cfg.debug.deterministic:
         torch.use_deterministic_algorithms(True)
 
@@ -185,7 +218,7 @@ def train(cfg, plan: Plan) -> dict:
     if not on_gpu and cfg.training.mixed_precision_param != "float32":
         logger.info("CPU: parameters and activations in float32 (training.mixed_precision_param applies to GPUs)")
     model = build_parallel_model(args, mesh, device, ac_mode=cfg.activation_checkpoint.mode,
-                                 ac_every=int(cfg.activation_checkpoint.selective_ac_option or 1),
+                                 ac_every=selective_ac_interval(cfg),
                                  compile_model=cfg.compile.enable and "model" in cfg.compile.components,
                                  param_dtype=param_dtype,
                                  reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward)
@@ -194,9 +227,7 @@ def train(cfg, plan: Plan) -> dict:
 
     optimizer = build_optimizer(model, cfg, device.type)
     lr_scheduler = build_lr_scheduler(optimizer, cfg)
-    dataloader = build_dataloader(
-        cfg.data, plan.tokenizer, seq_len=cfg.training.seq_len, local_batch_size=cfg.training.local_batch_size,
-        dp_rank=dp_rank, dp_world_size=dp.size, seed=seed, vocab_size=args.vocab_size)
+    dataloader = plan.dataloader
     state = TrainState()
     job_dict = to_dict(cfg)
     ckpt = CheckpointManager(
@@ -265,8 +296,18 @@ def _profiler(cfg):
 
     wait = max(p.profile_freq - p.profiler_active - p.profiler_warmup, 0)
     return torch.profiler.profile(
-        schedule=torch.profiler.schedule(wait=wait, warmup=p.profiler_warmup, active=p.profiler_active, repeat=1),
+        schedule=torch.profiler.schedule(wait=wait, warmup=p.profiler_warmup, active=p.profiler_active),
         on_trace_ready=on_trace, record_shapes=True)
+
+
+MAX_CONSECUTIVE_SKIPS = 10
+
+
+def _agree(flag: bool, device: torch.device) -> bool:
+    """True on every rank if it is true on any: ranks must take the same branches around collectives."""
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def _loop(cfg, plan, model, optimizer, lr_scheduler, dataloader, state, ckpt, metrics, stop, device) -> dict:
@@ -275,20 +316,19 @@ def _loop(cfg, plan, model, optimizer, lr_scheduler, dataloader, state, ckpt, me
     tokens_per_step_local = t.local_batch_size * t.seq_len * plan.grad_accum
     gc.disable()
     gc.collect()
-    window_time, window_steps, loss_sum = 0.0, 0, None
+    window_start, window_steps, loss_sum, consecutive_skips = time.perf_counter(), 0, None, 0
     start_step = state.step
     last: dict = {}
     with _profiler(cfg) as prof:
         while state.step < t.steps:
             state.step += 1
-            t0 = time.perf_counter()
             loss_acc = torch.zeros((), device=device)
             for _ in range(plan.grad_accum):
                 batch = next(data_iter)
                 input_ids = batch["input_ids"].to(device, non_blocking=True)
                 labels = batch["labels"].to(device, non_blocking=True)
                 cu = batch.get("cu_seqlens")
-                cu = cu.to(device, dtype=torch.long, non_blocking=True) if cu is not None else None
+                cu = cu.to(device, non_blocking=True) if cu is not None else None
                 loss = model(input_ids, labels=labels, cu_seqlens=cu, loss_chunk_size=t.loss_chunk_size)
                 loss = loss / plan.grad_accum
                 loss.backward()
@@ -296,43 +336,47 @@ def _loop(cfg, plan, model, optimizer, lr_scheduler, dataloader, state, ckpt, me
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm, foreach=True)
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
+            # the gradient norm is already reduced over all ranks, so every rank takes the same branch
             if torch.isfinite(grad_norm):
                 optimizer.step()
+                consecutive_skips = 0
+                loss_sum = loss_acc if loss_sum is None else loss_sum + loss_acc
+                window_steps += 1
             else:
                 state.skipped_steps += 1
+                consecutive_skips += 1
                 logger.warning(f"step {state.step}: non-finite gradient norm {grad_norm.item()}, update skipped")
+                if consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
+                    raise FloatingPointError(f"{consecutive_skips} consecutive steps had non-finite gradients; "
+                                             f"stopping at step {state.step} (the last checkpoint is intact)")
             lr = optimizer.param_groups[0]["lr"]
             lr_scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             state.tokens_seen += tokens_per_step_local * plan.dp.size
-            loss_sum = loss_acc if loss_sum is None else loss_sum + loss_acc
             if prof is not None:
                 prof.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            window_time += time.perf_counter() - t0
-            window_steps += 1
+            # a signal reaches the ranks at different moments: they agree on it before any branch on it
+            stopping = _agree(stop.requested, device)
 
             # the first step is always reported: it shows the initial loss and the start-up cost
-            if state.step % cfg.metrics.log_freq == 0 or state.step in (1, t.steps) or stop.requested \
-                    or state.step == start_step + 1:
+            if (state.step % cfg.metrics.log_freq == 0 or state.step in (1, t.steps, start_step + 1) or stopping) \
+                    and window_steps:
                 mean_loss = loss_sum / window_steps
                 dist.all_reduce(mean_loss)  # a sum (gloo has no average)
                 mean_loss /= dist.get_world_size()
-                last = metrics.log(state.step, loss=mean_loss.item(), grad_norm=grad_norm.item(),
-                                   lr=lr,
-                                   tokens_per_step=tokens_per_step_local, window_steps=window_steps,
-                                   window_time=window_time,
-                                   tokens_seen=state.tokens_seen, skipped_steps=state.skipped_steps)
-                if not math.isfinite(last["loss"]):
-                    raise FloatingPointError(f"step {state.step}: the loss is {last['loss']}; stopping (the last "
-                                             "checkpoint is intact)")
-                window_time, window_steps, loss_sum = 0.0, 0, None
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)  # the window's wall time includes its GPU work
+                steps_done = state.step - (last.get("step", start_step))
+                last = metrics.log(state.step, loss=mean_loss.item(), grad_norm=grad_norm.item(), lr=lr,
+                                   tokens_per_step=tokens_per_step_local, window_steps=steps_done,
+                                   window_time=time.perf_counter() - window_start, tokens_seen=state.tokens_seen,
+                                   skipped_steps=state.skipped_steps)
+                window_start, window_steps, loss_sum = time.perf_counter(), 0, None
             if state.step % t.gc_freq == 0:
                 gc.collect()
-            if ckpt.should_save(state.step, last=state.step == t.steps or stop.requested):
-                ckpt.save(state.step)
-            if stop.requested:
+            if ckpt.should_save(state.step, last=state.step == t.steps or stopping):
+                ckpt.save(state.step, model_only=state.step == t.steps and cfg.checkpoint.last_save_model_only)
+            if stopping:
                 logger.warning(f"stopped at step {state.step} on request")
                 break
     return last

@@ -40,10 +40,17 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-
 from _gpu_common import (  # noqa: E402
-    fla_config, fla_model_class, format_table, free_memory, init_process_group_of_one, is_pure_fla_model,
-    one_line, set_expandable_segments, versions, write_json,
+    fla_config,
+    fla_model_class,
+    format_table,
+    free_memory,
+    init_process_group_of_one,
+    is_pure_fla_model,
+    one_line,
+    set_expandable_segments,
+    versions,
+    write_json,
 )
 
 DATASHEET_FLOPS = 989e12

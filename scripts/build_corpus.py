@@ -25,7 +25,6 @@ import pathlib
 import sys
 import sysconfig
 import tokenize
-
 from pydoc_data.topics import topics
 
 OUT = pathlib.Path(__file__).resolve().parent.parent / "hybridtitan" / "assets" / "corpus"

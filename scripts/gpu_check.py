@@ -42,11 +42,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
 from _gpu_common import (  # noqa: E402
-    REPO, fla_config, fla_model_class, fmt, format_table, load_into_fla, one_line, rel_diff, rel_err,
-    to_fla_state_dict, versions, write_json,
+    REPO,
+    fla_config,
+    fla_model_class,
+    fmt,
+    format_table,
+    load_into_fla,
+    one_line,
+    rel_diff,
+    rel_err,
+    to_fla_state_dict,
+    versions,
+    write_json,
 )
+
 from hybridtitan import ops  # noqa: E402
 from hybridtitan.models import build_model, get_flavor  # noqa: E402
 from hybridtitan.models.common import init_dt_bias, init_log_uniform_A  # noqa: E402

@@ -42,6 +42,9 @@ def test_flavor_and_pattern_overrides(capsys):
     assert a["params_total"] == 307767232 and a["pattern"] == "M-" * 12
     b = _json(capsys, ["--job.config_file", recipe, "--model.pattern", "*-M-"])
     assert b["pattern"] == "*-M-" and b["n_layers"] == 4
+    # a deeper zebra keeps its attention: the pattern is rebuilt with the flavor's attention ratio
+    c = _json(capsys, ["--job.config_file", recipe, "--model.flavor", "zebra_gdn_300M", "--model.n_layers", "32"])
+    assert c["pattern"] == "*-M-M-M-" * 4
     # attention is quadratic in the sequence, the mixers linear: a longer sequence costs the attention more
     short = _json(capsys, ["--job.config_file", recipe, "--training.seq_len", "512"])
     long = _json(capsys, ["--job.config_file", recipe, "--training.seq_len", "4096"])

@@ -49,9 +49,9 @@ def test_same_accuracy_from_dcp_and_hf_export(flavor, trained, tmp_path, capsys)
 @pytest.fixture(scope="module")
 def lm_and_hf(trained, tmp_path_factory):
     """HybridTitanLM over the trained debug_hybrid DCP checkpoint, and transformers' model of its export."""
-    import hybridtitan.hf  # noqa: F401
     from transformers import AutoModelForCausalLM
 
+    import hybridtitan.hf  # noqa: F401
     from hybridtitan.eval import HybridTitanLM, load_for_eval
     from hybridtitan.export_hf import export
 

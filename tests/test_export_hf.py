@@ -89,9 +89,9 @@ def tokens(shape, seed=0):
 
 @pytest.mark.parametrize("flavor", FLAVORS)
 def test_own_layout_logits_and_generate(flavor, trained, exports):
-    import hybridtitan.hf  # noqa: F401 -- registers the Auto classes
     from transformers import AutoModelForCausalLM
 
+    import hybridtitan.hf  # noqa: F401 -- registers the Auto classes
     from hybridtitan.hf import HybridTitanForCausalLM
 
     folder = exports[flavor, "hybridtitan"]

@@ -140,20 +140,30 @@ def test_hsdp_replicate_mesh(tmp_path):
     assert complete_steps(str(dump / "checkpoint")) == [3]
 
 
-def test_sigterm_saves_and_stops(tmp_path):
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def test_sigterm_to_one_rank_saves_and_stops_all(tmp_path):
+    """A signal reaches one worker of two: both agree to stop after the same step, save it and exit cleanly."""
     dump = tmp_path / "run"
-    cmd = [sys.executable, "-m", "hybridtitan.train", "--job.config_file", RECIPE, "--job.dump_folder", str(dump),
-           *QUICK, "--training.steps", "100000", "--checkpoint.enable", "true", "--checkpoint.interval", "100000"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "hybridtitan.train", "--job.config_file", RECIPE, "--job.dump_folder", str(dump), *QUICK,
+           "--training.steps", "100000", "--checkpoint.enable", "true", "--checkpoint.interval", "100000"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
     while not (dump / "metrics.jsonl").exists() or len((dump / "metrics.jsonl").read_text().splitlines()) < 3:
         assert time.time() < deadline and proc.poll() is None, "training did not start"
         time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
+    workers = _children(proc.pid)
+    assert len(workers) == 2, workers
+    os.kill(max(workers), signal.SIGTERM)  # one rank only
     out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-2000:]
+    assert proc.returncode == 0, out[-3000:]
     steps = complete_steps(str(dump / "checkpoint"))
     assert len(steps) == 1 and steps[0] == max(losses(dump)) >= 3
+    assert out.count("stopped at step") == 2  # both ranks, one line each
 
 
 # ----------------------------------------------------------------------------------------------- bad input
@@ -211,6 +221,47 @@ def test_bad_cli(tmp_path, capsys, case):
     assert code == 2
     assert err.startswith("error: ") and "\n" not in err and expected in err, err
     assert {p: p.stat().st_mtime_ns for p in dump.rglob("*")} == before
+
+
+def _fake_step(folder: Path, step: int, flavor: str) -> None:
+    """A step folder whose model_args.json says ``flavor`` (enough for the checks before training)."""
+    from hybridtitan.checkpoint import model_args_to_dict
+    from hybridtitan.models import get_flavor
+
+    d = folder / "checkpoint" / f"step-{step}"
+    d.mkdir(parents=True)
+    (d / ".metadata").write_text("x")
+    (d / "model_args.json").write_text(json.dumps(model_args_to_dict(get_flavor(flavor))))
+
+
+def test_checkpoint_checks_before_training(tmp_path, capsys):
+    base = ["--job.config_file", RECIPE, "--checkpoint.enable", "true"]
+    # the checkpoint a run would resume from holds another model
+    other = tmp_path / "other"
+    _fake_step(other, 5, "debug_gdn")
+    code, err = _main_error(capsys, [*base, "--job.dump_folder", str(other)])
+    assert code == 2 and "holds a different model than the recipe" in err and "\n" not in err
+    # rewinding with load_step while newer checkpoints exist
+    rewind = tmp_path / "rewind"
+    _fake_step(rewind, 5, "debug_hybrid")
+    _fake_step(rewind, 7, "debug_hybrid")
+    code, err = _main_error(capsys, [*base, "--job.dump_folder", str(rewind), "--checkpoint.load_step", "5"])
+    assert code == 2 and "older than step(s) 7" in err
+    code, err = _main_error(capsys, [*base, "--job.dump_folder", str(rewind), "--checkpoint.load_step", "6"])
+    assert code == 2 and "step 6 not found" in err
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--model.n_layers", "12"], "hand-written pattern"),  # debug_hybrid's pattern is not the ratio's
+    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "0"],
+     "selective_ac_option must be an integer N >= 1"),
+    (["--data.text_field", "nope"], "data.text_field"),
+    (["--checkpoint.async_mode", "async_with_pinned_mem"], "checkpoint.async_mode"),
+])
+def test_more_bad_input(tmp_path, capsys, argv, expected):
+    code, err = _main_error(capsys, ["--job.config_file", RECIPE, "--job.dump_folder", str(tmp_path / "d"), *argv])
+    assert code == 2 and err.startswith("error: ") and "\n" not in err and expected in err, err
+    assert not (tmp_path / "d").exists()
 
 
 def test_bad_input_subprocess_no_traceback(tmp_path):

@@ -31,7 +31,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from .config import Data, validate_data_config
 from .packing import Packer, cu_seqlens
 from .sources import build_documents
-from .tokenizer import eos_id
+from .tokenizer import eos_id, vocab_mismatch
 
 STATE_VERSION = 1
 
@@ -111,9 +111,9 @@ def build_dataloader(cfg: Data, tokenizer, *, seq_len: int, local_batch_size: in
         eos = 0
     else:
         eos = eos_id(tokenizer)
-        if vocab_size is not None and len(tokenizer) > vocab_size:
-            raise ValueError(f"tokenizer vocabulary ({len(tokenizer)}) is larger than the model's "
-                             f"vocab_size ({vocab_size})")
+        problem = vocab_size is not None and vocab_mismatch(tokenizer, vocab_size)
+        if problem:
+            raise ValueError(problem)
         vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
     if vocab_size is not None and eos >= vocab_size:
         raise ValueError(f"data.tokenizer: the EOS id ({eos}) is outside the model's vocab_size ({vocab_size})")

@@ -18,6 +18,8 @@ import os
 
 import numpy as np
 
+from hybridtitan.errors import first_error_line
+
 from .config import Data, file_builder, local_data_files, looks_local, megatron_prefixes, resolve_path
 from .megatron import MegatronDataset
 from .tokenizer import encode_batch
@@ -26,10 +28,6 @@ logger = logging.getLogger(__name__)
 
 # Documents fetched (and tokenized) per call to a source: enough for the Rust tokenizer to use its threads.
 BLOCK = 64
-
-
-def _one_line(e: Exception) -> str:
-    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -266,9 +264,9 @@ def load_hf_dataset(cfg: Data):
     except ValueError as e:
         if str(e).startswith("data."):
             raise
-        raise ValueError(f"data.path: cannot load {cfg.path} (split {cfg.split!r}): {_one_line(e)}") from None
+        raise ValueError(f"data.path: cannot load {cfg.path} (split {cfg.split!r}): {first_error_line(e, with_type=True)}") from None
     except Exception as e:  # noqa: BLE001 -- network, missing split, bad files: one line naming the field
-        raise ValueError(f"data.path: cannot load {cfg.path} (split {cfg.split!r}): {_one_line(e)}") from None
+        raise ValueError(f"data.path: cannot load {cfg.path} (split {cfg.split!r}): {first_error_line(e, with_type=True)}") from None
     columns = ds.column_names
     if columns is not None and cfg.text_field not in columns:
         raise ValueError(f"data.text_field: no column {cfg.text_field!r} in {cfg.path} (columns: {', '.join(columns)})")

@@ -10,7 +10,7 @@ from .config import looks_local, resolve_path
 def build_tokenizer(path: str):
     """A transformers PreTrainedTokenizerFast from a local folder or a hub name.
     Raises ValueError("data.tokenizer: ...") in one line if the folder is missing or nothing loads from it."""
-    from transformers import AutoTokenizer  # imported here: transformers takes seconds to import
+    from transformers import AutoTokenizer
 
     if not path:
         raise ValueError("data.tokenizer: no tokenizer given")
@@ -27,6 +27,13 @@ def build_tokenizer(path: str):
         raise ValueError(f"data.tokenizer: {path} gives a slow tokenizer; a fast (tokenizer.json) one is required")
     eos_id(tok)  # fail now, not in the first batch
     return tok
+
+
+def vocab_mismatch(tok, vocab_size: int) -> str | None:
+    """Why ``tok`` cannot feed a model of ``vocab_size`` token embeddings, or None if it can."""
+    if len(tok) > vocab_size:
+        return f"tokenizer vocabulary ({len(tok)}) is larger than the model's vocab_size ({vocab_size})"
+    return None
 
 
 def eos_id(tok) -> int:

@@ -29,6 +29,7 @@ import shutil
 import torch
 
 from hybridtitan.checkpoint import CheckpointError, model_args_from_dict
+from hybridtitan.errors import first_error_line
 from hybridtitan.models import GDNArgs, HybridLM, KDAArgs, ModelArgs, build_model
 
 FLA_MODEL_TYPES = {"gdn": "gated_deltanet", "kda": "kda"}
@@ -41,13 +42,6 @@ DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # Hugging Face's "5GB"
 
 class ConversionError(ValueError):
     """A model or folder that cannot be converted: reported as one line."""
-
-
-def _first_line(e: BaseException) -> str:
-    failures = getattr(e, "failures", None)  # DCP's CheckpointException wraps the real error of each rank
-    if isinstance(failures, dict) and failures:
-        e = next(iter(failures.values()))[0]
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 # ------------------------------------------------------------------------------------------ FLA names and configs
@@ -179,7 +173,7 @@ def model_args_from_fla_config(cfg: dict) -> ModelArgs:
                          mixer=mixer, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                          norm_eps=cfg.get("norm_eps", 1e-6), init_std=cfg.get("initializer_range", 0.02), **mixer_args)
     except ValueError as e:
-        raise ConversionError(f"config.json: {_first_line(e)}") from None
+        raise ConversionError(f"config.json: {first_error_line(e)}") from None
 
 
 # ------------------------------------------------------------------------------------------ reading a DCP folder
@@ -195,7 +189,7 @@ def read_dcp_model_state(step_dir: str, args: ModelArgs) -> dict[str, torch.Tens
     try:
         metadata = dcp.FileSystemReader(step_dir).read_metadata()
     except (Exception, CheckpointException) as e:  # noqa: BLE001 -- a partial or foreign folder: one line
-        raise CheckpointError(f"cannot read the checkpoint metadata of {step_dir}: {_first_line(e)}") from None
+        raise CheckpointError(f"cannot read the checkpoint metadata of {step_dir}: {first_error_line(e)}") from None
     stored = {k[len("model."):]: v for k, v in metadata.state_dict_metadata.items()
               if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
     expected = {k: tuple(v.shape) for k, v in build_model(args, "meta").state_dict().items()}
@@ -211,7 +205,7 @@ def read_dcp_model_state(step_dir: str, args: ModelArgs) -> dict[str, torch.Tens
     try:
         dcp.load({"model": state}, checkpoint_id=step_dir, no_dist=True)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 -- CheckpointException is a BaseException
-        raise CheckpointError(f"cannot read the model from {step_dir}: {_first_line(e)}") from None
+        raise CheckpointError(f"cannot read the model from {step_dir}: {first_error_line(e)}") from None
     return state
 
 
@@ -294,7 +288,7 @@ def read_hf_tensors(folder: str) -> dict[str, torch.Tensor]:
     except ConversionError:
         raise
     except Exception as e:  # noqa: BLE001 -- a truncated or foreign file: one line
-        raise ConversionError(f"cannot read the weights in {folder}: {_first_line(e)}") from None
+        raise ConversionError(f"cannot read the weights in {folder}: {first_error_line(e)}") from None
     raise ConversionError(f"{folder} has a config.json but no weights (model.safetensors, {SAFE_INDEX} or "
                           "pytorch_model.bin)")
 
@@ -304,7 +298,7 @@ def read_hf_config(folder: str) -> dict:
         with open(os.path.join(folder, "config.json")) as f:
             return json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise ConversionError(f"cannot read {folder}/config.json: {_first_line(e)}") from None
+        raise ConversionError(f"cannot read {folder}/config.json: {first_error_line(e)}") from None
 
 
 def read_hf_model(folder: str) -> tuple[ModelArgs, dict[str, torch.Tensor], str]:
@@ -323,7 +317,7 @@ def read_hf_model(folder: str) -> tuple[ModelArgs, dict[str, torch.Tensor], str]
         try:
             args = model_args_from_dict(cfg["model_args"])
         except (TypeError, ValueError) as e:
-            raise ConversionError(f"{folder}/config.json: bad model_args: {_first_line(e)}") from None
+            raise ConversionError(f"{folder}/config.json: bad model_args: {first_error_line(e)}") from None
         tensors = read_hf_tensors(folder)
         state = {}
         for key, t in tensors.items():
@@ -354,7 +348,7 @@ def checkpoint_tokenizer(step_dir: str) -> str | None:
             with open(path) as f:
                 tok = (json.load(f).get("data") or {}).get("tokenizer")
         except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"cannot read {path}: {_first_line(e)}") from None
+            raise CheckpointError(f"cannot read {path}: {first_error_line(e)}") from None
         if tok:
             return resolve_path(tok)
     inside = os.path.join(step_dir, "tokenizer")
@@ -372,7 +366,7 @@ def load_tokenizer(path: str):
     try:
         return build_tokenizer(path)
     except ValueError as e:
-        raise ConversionError(_first_line(e).replace("data.tokenizer: ", "tokenizer: ", 1)) from None
+        raise ConversionError(first_error_line(e).replace("data.tokenizer: ", "tokenizer: ", 1)) from None
     finally:
         hf_logging.set_verbosity(verbosity)
 

@@ -22,9 +22,9 @@ def _flavors() -> dict[str, ModelArgs]:
     return {
         "gdn_300M": ModelArgs(**base_300m, mixer="gdn", gdn=GDNArgs(4, 8, 64, 64)),
         "kda_300M": ModelArgs(**base_300m, mixer="kda", kda=KDAArgs(8, 32, 64)),
-        "zebra_gdn_300M": ModelArgs(**base_300m, pattern=HYBRID_300M, mixer="gdn", gdn=GDNArgs(4, 8, 64, 64),
-                                    mla=MLA_300M),
-        "zebra_mamba2_300M": ModelArgs(**base_300m, pattern=HYBRID_300M, mixer="mamba2",
+        "zebra_gdn_300M": ModelArgs(**base_300m, pattern=HYBRID_300M, hybrid_attention_ratio=0.25, mixer="gdn",
+                                    gdn=GDNArgs(4, 8, 64, 64), mla=MLA_300M),
+        "zebra_mamba2_300M": ModelArgs(**base_300m, pattern=HYBRID_300M, hybrid_attention_ratio=0.25, mixer="mamba2",
                                        mamba2=Mamba2Args(d_state=64, head_dim=64, n_groups=8, expand=2), mla=MLA_300M),
         "gdn_1B": ModelArgs(**base_1b, mixer="gdn", gdn=GDNArgs(8, 16, 64, 64)),
         "kda_1B": ModelArgs(**base_1b, mixer="kda", kda=KDAArgs(16, 32, 64)),

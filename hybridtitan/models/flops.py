@@ -3,7 +3,9 @@
 Matrix products count 2 FLOPs per multiply-add. Every weight matrix costs 6 FLOPs per parameter per token.
 Beyond the weights:
 - MLA attention is quadratic: causal, so a token attends to (seq_len + 1) / 2 keys on average; the scores
-  (q.k over qk_head_dim) and the weighted sum (over v_head_dim) cost 2 * H * ctx * (dqk + dv) forward.
+  (q.k over qk_head_dim) and the weighted sum (over v_head_dim) cost 2 * H * ctx * (dqk + dv) forward. With
+  packed documents (cu_seqlens) tokens attend only within their document, so this count (and the MFU made
+  from it) is an upper bound there.
 - GDN/KDA are linear in the sequence: the chunked delta rule with chunk C = 64 does, per token and value head,
   the state read and write (q S, k S and k^T u: 3 x 2 K V), the within-chunk products (q k^T and k k^T: 2 x C K,
   causal halves) and the triangular solve and its use (C (K + V) + C V, causal halves).

@@ -56,13 +56,6 @@ class InferenceCache:
     def layer(self, i: int) -> dict:
         return self.layers[i]
 
-    @property
-    def seen_tokens(self) -> int:
-        for state in self.layers:
-            if "c_kv" in state:
-                return state["c_kv"].shape[1]
-        return 0
-
     def reorder(self, index: torch.Tensor) -> None:
         """Select batch rows (beam search); every state has the batch first."""
         for state in self.layers:
@@ -89,8 +82,10 @@ class HybridLM(nn.Module):
         B, T = input_ids.shape
         h = self.embeddings(input_ids)
         rows = 1
-        if cu_seqlens is not None and B > 1:
-            h, rows = h.reshape(1, B * T, -1), B
+        if cu_seqlens is not None:
+            cu_seqlens = cu_seqlens.long()  # once per forward: the kernels index with it (loaders give int32)
+            if B > 1:
+                h, rows = h.reshape(1, B * T, -1), B
         for i, layer in enumerate(self.layers):
             h = layer(h, cu_seqlens=cu_seqlens, cache=cache.layer(i) if cache is not None else None, rows=rows)
         return self.norm(h).view(B, T, -1)

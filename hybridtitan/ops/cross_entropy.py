@@ -28,14 +28,18 @@ def compile_chunks(enable: bool = True) -> None:
 
 def _chunk_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor):
     """Summed loss of one chunk and d loss / d logits (softmax - onehot, zero where not valid), in the logits'
-    dtype. logits: [c, V] as the matrix product gave them; target: [c, 1] (in range); valid: [c]."""
+    dtype. logits: [c, V] as the matrix product gave them (overwritten); target: [c, 1] (in range); valid: [c].
+
+    One exponential pass serves the loss and the gradient: e = exp(x - max), lse = max + log(sum e). Eagerly
+    the passes work in place (one float32 chunk of memory); torch.compile fuses them."""
     x = logits.float()
+    target_logit = x.gather(1, target)
     peak = x.amax(dim=1, keepdim=True)
-    e = torch.exp(x - peak)
+    e = x.sub_(peak).exp_()
     sum_e = e.sum(dim=1, keepdim=True)
     weight = valid.to(torch.float32).unsqueeze(1)
-    loss = ((peak + sum_e.log() - x.gather(1, target)) * weight).sum()
-    grad = (e * (weight / sum_e)).scatter_add(1, target, -weight)
+    loss = ((peak + sum_e.log() - target_logit) * weight).sum()
+    grad = e.mul_(weight / sum_e).scatter_add_(1, target, -weight)
     return loss, grad.to(logits.dtype)
 
 
@@ -57,24 +61,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
             t = targets[start:start + chunk_size]
             valid = t != ignore_index
             safe_t = torch.where(valid, t, torch.zeros_like(t)).unsqueeze(1)
-            if _COMPILED and need_grad:
-                loss, probs = _compiled_chunk()(h @ weight.t(), safe_t, valid)
-                total += loss
-                _accumulate(grad_hidden, grad_weight, probs.to(hidden.dtype), h, weight, start)
-                continue
-            logits = (h @ weight.t()).float()
-            target_logit = logits.gather(1, safe_t)
-            # one exponential pass serves the loss and the gradient: e = exp(logits - max), lse = max + log(sum e)
-            peak = logits.max(dim=1, keepdim=True).values
-            e = logits.sub_(peak).exp_()
-            sum_e = e.sum(dim=1, keepdim=True)
-            lse = peak + sum_e.log()
-            total += ((lse - target_logit).squeeze(1) * valid).sum()
+            logits = h @ weight.t()
             if need_grad:
-                # d loss / d logits = softmax - onehot(target), zero on ignored tokens
-                probs = e.mul_(valid.unsqueeze(1) / sum_e)
-                probs.scatter_add_(1, safe_t, -valid.unsqueeze(1).to(probs.dtype))
+                chunk = _compiled_chunk() if _COMPILED else _chunk_loss_and_grad
+                loss, probs = chunk(logits, safe_t, valid)
                 _accumulate(grad_hidden, grad_weight, probs.to(hidden.dtype), h, weight, start)
+            else:  # evaluation: the loss alone
+                x = logits.float()
+                lse = torch.logsumexp(x, dim=1, keepdim=True)
+                loss = ((lse - x.gather(1, safe_t)).squeeze(1) * valid).sum()
+            total += loss
         if need_grad:
             ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return total

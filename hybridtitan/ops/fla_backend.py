@@ -6,7 +6,6 @@ Each function has the signature of its PyTorch twin in ``reference.py`` (through
 from __future__ import annotations
 
 import torch
-
 from fla.modules.activations import swiglu as _fla_swiglu
 from fla.modules.convolution import causal_conv1d as _fla_causal_conv1d
 from fla.modules.fused_norm_gate import rms_norm_gated as _fla_rms_norm_gated
@@ -31,8 +30,10 @@ def _v_first(state):
     return state.transpose(-1, -2).contiguous() if state is not None else None
 
 
-def gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state, output_final_state):
-    fn = fused_recurrent_gated_delta_rule if _decoding(q) else chunk_gated_delta_rule
+def _delta_rule(chunk_fn, recurrent_fn, q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state,
+                output_final_state):
+    """GDN and KDA take the same arguments: raw gate and beta logits, the gate and L2 norm fused in the kernel."""
+    fn = recurrent_fn if _decoding(q) else chunk_fn
     o, state = fn(
         q=q, k=k, v=v, g=a, beta=b, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True,
         use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, initial_state=_v_first(initial_state),
@@ -41,14 +42,12 @@ def gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state, o
     return o, _v_first(state)
 
 
-def kda(q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state, output_final_state):
-    fn = fused_recurrent_kda if _decoding(q) else chunk_kda
-    o, state = fn(
-        q=q, k=k, v=v, g=a, beta=b, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True,
-        use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, initial_state=_v_first(initial_state),
-        output_final_state=output_final_state, cu_seqlens=cu_seqlens, state_v_first=True,
-    )
-    return o, _v_first(state)
+def gated_delta_rule(*args):
+    return _delta_rule(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, *args)
+
+
+def kda(*args):
+    return _delta_rule(chunk_kda, fused_recurrent_kda, *args)
 
 
 def simple_gla(q, k, v, g, scale, cu_seqlens, initial_state, output_final_state):
