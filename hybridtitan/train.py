@@ -112,19 +112,20 @@ def preflight(cfg) -> Plan:
 def _check_checkpoints(cfg, args) -> None:
     """The checkpoint a run would start from exists and holds this model; a rewind would not be undone later."""
     folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+    steps = complete_steps(folder)
     start = None
     if cfg.checkpoint.enable and cfg.checkpoint.load_step > 0:
         try:
             start = resolve_checkpoint(folder, cfg.checkpoint.load_step)
         except ValueError as e:
             raise ConfigError(f"checkpoint.load_step: {e}") from None
-        newer = [s for s in complete_steps(folder) if s > cfg.checkpoint.load_step]
+        newer = [s for s in steps if s > cfg.checkpoint.load_step]
         if newer:
             raise ConfigError(f"checkpoint.load_step {cfg.checkpoint.load_step} is older than step(s) "
                               f"{', '.join(map(str, newer))} in {folder}: move those folders away first (the next "
                               "resume would return to them, and keep_latest_k would delete the new ones)")
-    elif cfg.checkpoint.enable and complete_steps(folder):
-        start = os.path.join(folder, f"step-{complete_steps(folder)[-1]}")
+    elif cfg.checkpoint.enable and steps:
+        start = os.path.join(folder, f"step-{steps[-1]}")
     elif cfg.checkpoint.initial_load_path:
         try:
             start = resolve_checkpoint(cfg.checkpoint.initial_load_path)
