@@ -23,8 +23,8 @@ def activation_elements_per_token(args, kind: str) -> int:
     """Rough count of the activations a sublayer keeps for its backward, per token (inputs of every matrix
     product and nonlinearity, the residual stream); the recurrent kernels keep about their inputs."""
     d = args.dim
-    if kind == "mlp":
-        return 2 * d + 4 * args.ffn_dim
+    if kind == "mlp":  # gate and up; silu(gate) * up is formed again in the backward (ops.swiglu_linear)
+        return 2 * d + 2 * args.ffn_dim
     if kind == "attention":
         a = args.mla
         qk = a.qk_nope_head_dim + a.qk_rope_head_dim
@@ -57,7 +57,9 @@ def describe(cfg) -> dict:
         kept = ac == "none" or (ac == "selective" and i % every != 0)
         act += activation_elements_per_token(args, kind) if kept else args.dim
     act_bytes = act * tokens * on_gpu_bytes + tokens * args.dim * 4
-    loss_bytes = min(tokens, t.loss_chunk_size) * args.vocab_size * 4 * 2  # one chunk of logits + softmax
+    # one chunk of 16-bit logits and their gradient, plus a float32 copy when the chunk's softmax runs eagerly
+    compiled_loss = cfg.compile.enable and "loss" in cfg.compile.components
+    loss_bytes = min(tokens, t.loss_chunk_size) * args.vocab_size * (4 if compiled_loss else 8)
     # fp32 parameters, gradients and two AdamW moments, sharded; a gathered bf16 copy of the largest sublayer
     states = counts["total"] * 16 / shard
     layers = [

@@ -11,6 +11,7 @@ a GPU; this loop runs on a CPU (gloo, float32) and on GPUs (NCCL/RCCL, bf16 para
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
@@ -142,12 +143,18 @@ def _check_checkpoints(cfg, args) -> None:
                               f"{', model.'.join(diff)}); use another job.dump_folder or the checkpoint's model")
 
 
+def _remove_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(path)
+
+
 def _init_distributed(plan: Plan, cfg) -> None:
     backend = "nccl" if plan.device.type == "cuda" else "gloo"  # NCCL is RCCL on ROCm builds
     kwargs = {"backend": backend, "timeout": datetime.timedelta(seconds=cfg.comm.init_timeout_seconds)}
     if "RANK" not in os.environ:
         # one process without torchrun: a group of one, so the sharded (FSDP) code path is the same
         store = tempfile.NamedTemporaryFile(prefix="hybridtitan-pg-", delete=False).name
+        atexit.register(_remove_quietly, store)  # the store is needed while the group lives, not after
         kwargs.update(init_method=f"file://{store}", rank=0, world_size=1)
     if plan.device.type == "cuda":
         torch.cuda.set_device(plan.device)

@@ -56,7 +56,12 @@ from _gpu_common import (  # noqa: E402
 DATASHEET_FLOPS = 989e12
 MODELS = "gdn_300M,kda_300M,zebra_gdn_300M,zebra_mamba2_300M,gdn_1B"
 FLA_MODELS = "gdn_300M,kda_300M"
-IMPLS = ("hybridtitan", "fla-ce", "fla-flce")
+# hybridtitan's variants: what torch.compile covers. "hybridtitan" is what the recipes run (compile.components =
+# ["loss"]: the cross-entropy chunks fused, the sublayers eager); -eager compiles nothing; -compiled also compiles
+# every sublayer (compile.components = ["model", "loss"]).
+OURS = {"hybridtitan": ("loss",), "hybridtitan-eager": (), "hybridtitan-compiled": ("model", "loss")}
+IMPLS = (*OURS, "fla-ce", "fla-flce")
+DEFAULT_IMPLS = "hybridtitan,fla-ce,fla-flce"
 LADDER = (32, 24, 16, 12, 8, 6, 4, 2, 1)
 # --tiny: each model stands in for by a debug flavor of the same kind
 TINY_FLAVOR = {"gdn_300M": "debug_gdn", "kda_300M": "debug_kda", "zebra_gdn_300M": "debug_hybrid",
@@ -73,14 +78,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--models", default=MODELS, help=f"flavors, comma-separated (default {MODELS})")
     p.add_argument("--fla-models", default=FLA_MODELS,
                    help=f"of --models, those also run with FLA's HF classes (pure GDN/KDA only; default {FLA_MODELS})")
-    p.add_argument("--impls", default=",".join(IMPLS), help=f"subset of {','.join(IMPLS)}")
+    p.add_argument("--impls", default=DEFAULT_IMPLS, help=f"of {','.join(IMPLS)} (default {DEFAULT_IMPLS})")
+    p.add_argument("--extra", default="",
+                   help="more cases, MODEL:IMPL comma-separated, run after the others (e.g. "
+                        "gdn_300M:hybridtitan-eager,gdn_300M:hybridtitan-compiled)")
     p.add_argument("--batch", type=int, default=32, help="micro-batch (sequences per step)")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--no-oom-retry", action="store_true", help="on out-of-memory, report instead of a smaller batch")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile each of our sublayers and the cross-entropy chunks (as the trainer's compile)")
     p.add_argument("--ac", choices=("none", "full"), default="none",
                    help="activation checkpointing, every sublayer (ours) / every block (FLA)")
     p.add_argument("--profile", default=None,
@@ -92,8 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds: start no new case after this much time (results so far are still written)")
     p.add_argument("--no-ce-bench", action="store_true",
-                   help="skip the output-layer cross-entropy micro-benchmark (ours, FLA's fused linear CE, and a "
-                        "prototype of ours with its weight-gradient GEMM in bf16)")
+                   help="skip the output-layer cross-entropy micro-benchmark (ours eager and compiled, FLA's fused "
+                        "linear CE)")
     p.add_argument("--ce-tokens", type=int, default=None, help="tokens of the CE micro-benchmark (default batch x seq)")
     p.add_argument("--matmul-size", type=int, default=8192)
     p.add_argument("--lr", type=float, default=1e-4)
@@ -108,7 +114,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.models = [m for m in args.models.split(",") if m]
     args.fla_models = {m for m in args.fla_models.split(",") if m}
     args.impls = [i for i in args.impls.split(",") if i]
-    bad = [i for i in args.impls if i not in IMPLS]
+    args.extra = [tuple(c.split(":", 1)) for c in args.extra.split(",") if c]
+    bad = [i for i in args.impls + [c[-1] for c in args.extra] if i not in IMPLS]
     if bad:
         p.error(f"--impls: unknown {bad}; choose from {', '.join(IMPLS)}")
     if args.warmup < 1 or args.steps < 1:
@@ -176,14 +183,16 @@ def model_args_for(name: str, tiny: bool):
     return get_flavor(TINY_FLAVOR.get(name, name) if tiny else name)
 
 
-def build_ours(margs, mesh, device, param_dtype, ac: str, compile_model: bool):
-    """Exactly as the trainer builds it (hybridtitan.train.build_parallel_model); --compile also fuses the
-    cross-entropy chunks, as the trainer's compile.components = ["model", "loss"]."""
+def build_ours(margs, mesh, device, param_dtype, ac: str, compiled: tuple[str, ...]):
+    """Exactly as the trainer builds it (hybridtitan.train.build_parallel_model), with torch.compile on the
+    components named as in the trainer's compile.components ("model": each sublayer, "loss": the cross-entropy
+    chunks)."""
     from hybridtitan import ops
     from hybridtitan.train import build_parallel_model
 
-    ops.compile_loss(compile_model)
-    return build_parallel_model(margs, mesh, device, ac_mode=ac, compile_model=compile_model, param_dtype=param_dtype)
+    ops.compile_loss("loss" in compiled)
+    return build_parallel_model(margs, mesh, device, ac_mode=ac, compile_model="model" in compiled,
+                                param_dtype=param_dtype)
 
 
 def build_fla(margs, impl: str, mesh, device, param_dtype, ac: str):
@@ -244,8 +253,8 @@ def run_case(args, mesh, device, name: str, impl: str, batch: int, info: dict) -
     on_gpu = device.type == "cuda"
     param_dtype = torch.bfloat16 if on_gpu else torch.float32  # the trainer's choice on a CPU
     t_build = time.perf_counter()
-    if impl == "hybridtitan":
-        model = build_ours(margs, mesh, device, param_dtype, args.ac, args.compile)
+    if impl in OURS:
+        model = build_ours(margs, mesh, device, param_dtype, args.ac, OURS[impl])
     else:
         model = build_fla(margs, impl, mesh, device, param_dtype, args.ac)
     optimizer = build_optimizer(model, device, args.lr)
@@ -254,13 +263,13 @@ def run_case(args, mesh, device, name: str, impl: str, batch: int, info: dict) -
            "seq": args.seq, "params": n_params, "counted_params": param_counts(margs)["total"],
            "flops_per_token": flops_per_token(margs, args.seq)["total"],
            "build_s": time.perf_counter() - t_build}
-    if impl != "hybridtitan" and not on_gpu:
+    if impl not in OURS and not on_gpu:
         del model, optimizer
         row.update(status="SKIP", note="FLA's HF models need a GPU: built, wrapped and optimizer made only")
         return row
 
     batches = make_batches(margs.vocab_size, batch, args.seq, device, args.seed)
-    if impl == "hybridtitan":
+    if impl in OURS:
         def step(ids, labels):
             loss = model(ids, labels=labels)
             loss.backward()
@@ -318,7 +327,7 @@ def profile_steps(args, device, step, batches, tag: str) -> dict:
     folder = args.profile_dir or os.environ.get("OUT") or "profiles"
     os.makedirs(folder, exist_ok=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities, record_shapes=False) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         for i in range(3):
             step(*batches[i % len(batches)])
         sync(device)
@@ -328,6 +337,12 @@ def profile_steps(args, device, step, batches, tag: str) -> dict:
     except Exception:  # noqa: BLE001 - older/newer naming of the device column
         table = prof.key_averages().table(sort_by="self_device_time_total" if device.type == "cuda"
                                           else "self_cpu_time_total", row_limit=40)
+    # the same, split by input shapes: which tensors the copies and elementwise passes are over
+    with contextlib.suppress(Exception):
+        by_shape = prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=30,
+                                                                      max_name_column_width=40,
+                                                                      max_shapes_column_width=90)
+        table += "\nby input shape:\n" + by_shape
     raw = os.path.join(folder, f"profile_{tag}.json")
     prof.export_chrome_trace(raw)
     with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
@@ -358,7 +373,7 @@ def run_with_retry(args, mesh, device, name: str, impl: str, info: dict) -> dict
                 traceback.print_exc()
             error, oom = one_line(e), is_oom(e)
         # outside the except block: the traceback (and the model it holds) is gone before memory is freed
-        if args.compile:
+        if OURS.get(impl):
             torch._dynamo.reset()
         free_memory(device)
         if not oom:
@@ -374,64 +389,9 @@ def run_with_retry(args, mesh, device, name: str, impl: str, info: dict) -> dict
 # ================================================================================================ CE micro-benchmark
 
 
-class _LinearCEBf16WeightGrad(torch.autograd.Function):
-    """A prototype: hybridtitan.ops.cross_entropy._LinearCrossEntropy with one change. The weight gradient of each
-    chunk is a bf16 GEMM (float32 accumulation inside cuBLAS) added to the float32 accumulator, instead of a
-    float32 GEMM of upcast copies (what ours and FLA's FusedLinearCrossEntropy do: 2 N V D FLOPs without tensor
-    cores). Measured here only, to size the gain; the op itself is not changed by this script."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index: int, chunk_size: int):
-        n = hidden.shape[0]
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for start in range(0, n, chunk_size):
-            h = hidden[start:start + chunk_size]
-            t = targets[start:start + chunk_size]
-            logits = (h @ weight.t()).float()
-            valid = t != ignore_index
-            safe_t = torch.where(valid, t, torch.zeros_like(t))
-            lse = torch.logsumexp(logits, dim=-1)
-            target_logit = logits.gather(1, safe_t.unsqueeze(1)).squeeze(1)
-            total += torch.where(valid, lse - target_logit, torch.zeros_like(lse)).sum()
-            probs = logits.sub_(lse.unsqueeze(1)).exp_()
-            probs.scatter_add_(1, safe_t.unsqueeze(1), torch.full_like(lse, -1.0).unsqueeze(1))
-            probs.mul_(valid.unsqueeze(1))
-            probs = probs.to(hidden.dtype)
-            grad_hidden[start:start + chunk_size] = probs @ weight
-            _accumulate_mm(grad_weight, probs.t(), h)
-        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return (grad_hidden * grad_output.to(grad_hidden.dtype), grad_weight * grad_output.to(grad_weight.dtype),
-                None, None, None)
-
-
-_MM_PATH: dict = {}
-
-
-def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (float32) += a @ b (bf16): torch.addmm(out_dtype=float32) where supported (CUDA), else a bf16 GEMM
-    whose result is added."""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-        return
-    if _MM_PATH.get("path") != "bf16 mm + add":
-        try:
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            _MM_PATH["path"] = "addmm out_dtype=float32"
-            return
-        except (TypeError, RuntimeError, NotImplementedError):
-            _MM_PATH["path"] = "bf16 mm + add"
-    acc.add_(a @ b)
-
-
 def ce_bench(args, device) -> list[dict]:
-    """Forward + backward of the output layer's loss, [tokens, dim] x [vocab, dim] in bf16, three ways."""
+    """Forward + backward of the output layer's loss, [tokens, dim] x [vocab, dim] in bf16: ours eagerly and with
+    the chunks compiled (compile.components = ["loss"]), and FLA's fused linear cross-entropy."""
     from hybridtitan import ops
 
     tiny = args.tiny
@@ -449,16 +409,20 @@ def ce_bench(args, device) -> list[dict]:
     def ours(h, w):
         return ops.linear_cross_entropy(h, w, targets, chunk_size=chunk)[0] / count
 
-    def proto(h, w):
-        return _LinearCEBf16WeightGrad.apply(h, w, targets, -100, chunk) / count
+    def ours_compiled(h, w):
+        ops.compile_loss(True)
+        try:
+            return ops.linear_cross_entropy(h, w, targets, chunk_size=chunk)[0] / count
+        finally:
+            ops.compile_loss(False)
 
     def fla_flce(h, w):
         from fla.modules import FusedLinearCrossEntropyLoss
 
         return FusedLinearCrossEntropyLoss(reduction="mean")(h, targets, w)
 
-    impls = [("hybridtitan ops.linear_cross_entropy", ours), ("FLA FusedLinearCrossEntropyLoss", fla_flce),
-             ("prototype: ours, bf16 weight-grad GEMM", proto)]
+    impls = [("hybridtitan ops.linear_cross_entropy", ours),
+             ("hybridtitan, chunks compiled", ours_compiled), ("FLA FusedLinearCrossEntropyLoss", fla_flce)]
     rows, base = [], None
     flops = 6 * tokens * dim * vocab  # logits, grad of the hidden states, grad of the weight
     for label, fn in impls:
@@ -492,8 +456,6 @@ def ce_bench(args, device) -> list[dict]:
                 row.update(loss_rel_vs_ours=abs(row["loss"] - base[0].item()) / abs(base[0].item()),
                            grad_hidden_err_vs_ours=rel_err(out[1], base[1]),
                            grad_weight_err_vs_ours=rel_err(out[2], base[2]))
-            if label.startswith("prototype"):
-                row["note"] = _MM_PATH.get("path")
             del out
         except Exception as e:  # noqa: BLE001
             row.update(status="FAIL", error=one_line(e))
@@ -561,7 +523,9 @@ def settings_text(args, info: dict, device) -> str:
             f"One process (world size 1, {'NCCL' if device.type == 'cuda' else 'gloo'}), FSDP2 fully_shard per "
             f"block + root, {'bf16' if device.type == 'cuda' else 'float32'} params / float32 reduce, "
             f"AdamW(fused=True), seq {args.seq}, warm-up {args.warmup} + {args.steps} timed steps, activation "
-            f"checkpointing {args.ac}, torch.compile {'on (ours)' if args.compile else 'off'}; {alloc}.\n"
+            f"checkpointing {args.ac}; torch.compile: hybridtitan = the recipes' setting (the cross-entropy "
+            f"chunks compiled, the sublayers eager), -eager nothing, -compiled every sublayer and the "
+            f"cross-entropy chunks; FLA eager; {alloc}.\n"
             f"Measured bf16 matmul ({args.matmul_size}^3): {info['matmul_flops'] / 1e12:.4g} TFLOP/s; MFU from "
             f"hybridtitan.models.flops (same count for FLA's model of the same configuration). fla-ce: FLA's "
             f"fused cross-entropy over the full logits; fla-flce: its fused linear cross-entropy; ours: the "
@@ -609,9 +573,10 @@ def main(argv=None) -> int:
     plan = []
     for name in args.models:
         for impl in args.impls:
-            if impl != "hybridtitan" and name not in args.fla_models:
+            if impl not in OURS and name not in args.fla_models:
                 continue
             plan.append((name, impl))
+    plan += [c for c in args.extra if c not in plan]
     for name in args.fla_models - set(args.models):
         print(f"note: --fla-models {name} is not in --models: not run", flush=True)
 
@@ -643,7 +608,7 @@ def main(argv=None) -> int:
             save()
             continue
         print(f"[{elapsed:6.1f}s] {n + 1}/{len(plan)} {name} / {impl}, batch {args.batch}", flush=True)
-        if impl != "hybridtitan":
+        if impl not in OURS:
             try:
                 if not is_pure_fla_model(model_args_for(name, args.tiny)):
                     raise ValueError("not a pure GDN/KDA model: FLA's HF classes cannot hold it")

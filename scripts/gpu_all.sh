@@ -1,34 +1,59 @@
 #!/usr/bin/env bash
-# Everything the GPU issue asks for, in one call on one GPU (each part time-boxed, logs in $OUT):
-#   1. throughput against FLA's models and the anchors (bench_throughput.py, with a profile of gdn_300M),
-#   2. parity of every kernel and of FLA's HF classes with the PyTorch reference (gpu_check.py),
-#   3. a real training run: zebra_gdn_300M on the shipped corpus with packed documents, 150 steps, stop,
-#      then resumed to 300 steps.
-# Usage: OUT=results bash scripts/gpu_all.sh [bench|check|train ...]   (default: all three)
+# Everything the GPU issues ask for, on one GPU, each part time-boxed, logs in $OUT:
+#   bench   throughput against FLA's models and the anchors (bench_throughput.py, with a profile of gdn_300M),
+#   check   parity of every kernel and of FLA's HF classes with the PyTorch reference (gpu_check.py),
+#   record  the Triton kernel manifest of one training step per debug and 300M flavor (ROCm compile check),
+#   train   zebra_gdn_300M on the shipped corpus with packed documents: 40 steps straight, and the same run
+#           resumed from its step-20 checkpoint; the losses of steps 21-40 compared.
+# Usage: OUT=results bash scripts/gpu_all.sh [bench|check|record|train ...]   (default: all)
+# Time boxes (seconds) can be changed with BENCH_S, CHECK_S, RECORD_S, TRAIN_S.
 set -uo pipefail
 OUT=${OUT:-gpu_results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-parts=${*:-bench check train}
+parts=${*:-bench check record train}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python -c "import torch, triton, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__)"
 
 if [[ $parts == *bench* ]]; then
-  timeout 240 python scripts/bench_throughput.py --time-budget 200 --markdown "$OUT/benchmarks.md" \
-    --json "$OUT/bench.json" --profile gdn_300M --profile-dir /tmp/profiles 2>&1 | tee "$OUT/bench.log" | tail -45
+  budget=${BENCH_S:-300}
+  timeout "$budget" python scripts/bench_throughput.py --time-budget $((budget - 60)) --markdown "$OUT/benchmarks.md" \
+    --json "$OUT/bench.json" --profile gdn_300M --profile-dir /tmp/profiles ${BENCH_ARGS:-} 2>&1 \
+    | tee "$OUT/bench.log" | grep -v "^ \|^-\|Warning\|warn" | tail -40
   cat /tmp/profiles/*.txt >> "$OUT/bench.log" 2>/dev/null
 fi
 if [[ $parts == *check* ]]; then
-  timeout 170 python scripts/gpu_check.py --json /tmp/gpu_check.json 2>&1 | tee "$OUT/gpu_check.log" | tail -45
+  timeout "${CHECK_S:-240}" python scripts/gpu_check.py --json "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log" \
+    | grep -v "Warning\|warn" | tail -60
+fi
+if [[ $parts == *record* ]]; then
+  timeout "${RECORD_S:-420}" python scripts/record_triton_manifest.py --jobs 8 --timeout $((${RECORD_S:-420} - 30)) \
+    --out "$OUT/triton_kernels.json" 2>&1 | tee "$OUT/record.log" | tail -25
 fi
 if [[ $parts == *train* ]]; then
   run="torchrun --standalone --nproc_per_node 1 -m hybridtitan.train --job.config_file train_configs/debug_hybrid.toml
-       --model.flavor zebra_gdn_300M --job.dump_folder /tmp/zebra_run --training.seq_len 2048
-       --training.local_batch_size 8 --training.global_batch_size 8 --optimizer.lr 1e-3 --optimizer.implementation fused
-       --lr_scheduler.warmup_steps 30 --lr_scheduler.total_steps 300 --checkpoint.interval 150
-       --metrics.log_freq 10 --metrics.enable_tensorboard false"
-  rm -rf /tmp/zebra_run
-  timeout 150 $run --training.steps 150 2>&1 | grep -v Warning | tee "$OUT/train.log" | grep -E "step|resumed|error" | tail -20
-  timeout 150 $run --training.steps 300 2>&1 | grep -v Warning | tee -a "$OUT/train.log" | grep -E "step|resumed|error" | tail -20
-  cp /tmp/zebra_run/metrics.jsonl "$OUT/train_metrics.jsonl" 2>/dev/null
+       --model.flavor zebra_gdn_300M --data.document_boundaries true --training.seq_len 2048
+       --training.local_batch_size 8 --training.global_batch_size 8 --training.steps 40 --optimizer.lr 1e-3
+       --optimizer.implementation fused --lr_scheduler.warmup_steps 10 --checkpoint.interval 20
+       --checkpoint.keep_latest_k 0 --compile.enable true --compile.components loss --metrics.log_freq 1
+       --metrics.enable_tensorboard false"
+  rm -rf /tmp/straight /tmp/resumed
+  timeout "${TRAIN_S:-150}" $run --job.dump_folder /tmp/straight 2>&1 | grep -v Warning | tee "$OUT/train.log" \
+    | grep -E "step (1|20|40)/|resum|rror" | tail -8
+  mkdir -p /tmp/resumed/checkpoint && cp -r /tmp/straight/checkpoint/step-20 /tmp/resumed/checkpoint/
+  timeout "${TRAIN_S:-150}" $run --job.dump_folder /tmp/resumed 2>&1 | grep -v Warning | tee -a "$OUT/train.log" \
+    | grep -E "step (21|40)/|resum|rror" | tail -8
+  cp /tmp/straight/metrics.jsonl "$OUT/train_straight.jsonl"; cp /tmp/resumed/metrics.jsonl "$OUT/train_resumed.jsonl"
+  python - "$OUT/train_straight.jsonl" "$OUT/train_resumed.jsonl" <<'EOF'
+import json, sys
+a, b = ({r["step"]: r for r in map(json.loads, open(p))} for p in sys.argv[1:3])
+steps = sorted(set(a) & set(b))
+print("step | loss straight | loss resumed | |diff| | grad_norm straight | resumed")
+for s in steps:
+    print(f"{s} | {a[s]['loss']:.6f} | {b[s]['loss']:.6f} | {abs(a[s]['loss'] - b[s]['loss']):.2e} | "
+          f"{a[s]['grad_norm']:.4f} | {b[s]['grad_norm']:.4f}")
+d = [abs(a[s]["loss"] - b[s]["loss"]) / abs(a[s]["loss"]) for s in steps]
+print(f"resumed steps {steps[0] if steps else '-'}-{steps[-1] if steps else '-'}: max relative loss difference "
+      f"{max(d) if d else float('nan'):.2e}; first step resumed: {min(b) if b else '-'}")
+EOF
 fi

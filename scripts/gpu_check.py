@@ -240,6 +240,13 @@ def op_cases(sh: Shapes, device: torch.device):
         return {k: v.to(bf16) for k, v in t.items()}, {}
     add("swiglu", "dense B=2", make_swiglu, lambda gate, up: ops.swiglu(gate, up))
 
+    def make_swiglu_linear(gen, D=4096, dim=1024):
+        t, _ = make_swiglu(gen, D)
+        t["weight"] = _randn(gen, dim, D, device=device, scale=D ** -0.5).to(bf16)
+        return t, {}
+    add("swiglu_linear (MLP)", "dense B=2", make_swiglu_linear,
+        lambda gate, up, weight: ops.swiglu_linear(gate, up, weight))
+
     # --- MLA attention: 16 heads, qk 64 (32 nope + 32 rope), v 64
     attn_layouts = layouts + [(f"packed rows=2 {len(sh.cu_rows) - 1} docs", 1, cu_rows)]
     for case, B, c in attn_layouts:
@@ -266,6 +273,15 @@ def op_cases(sh: Shapes, device: torch.device):
     add("linear_cross_entropy", f"{sh.ce_tokens} tok, V={sh.vocab}, 5% ignored", make_ce,
         lambda hidden, weight, targets: ops.linear_cross_entropy(hidden, weight, targets,
                                                                  chunk_size=sh.ce_chunk)[0],
+        ce_ref)
+
+    def compiled_ce(hidden, weight, targets):
+        ops.compile_loss(True)  # the trainer's compile.components = ["loss"]
+        try:
+            return ops.linear_cross_entropy(hidden, weight, targets, chunk_size=sh.ce_chunk)[0]
+        finally:
+            ops.compile_loss(False)
+    add("linear_cross_entropy compiled", f"{sh.ce_tokens} tok, V={sh.vocab}, 5% ignored", make_ce, compiled_ce,
         ce_ref)
     return cases
 

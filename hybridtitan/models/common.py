@@ -95,7 +95,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor, **_) -> torch.Tensor:
         gate, up = fused_linear(x, self.gate_proj, self.up_proj)
-        return self.down_proj(ops.swiglu(gate, up))
+        # the product silu(gate) * up is not kept for the backward pass (ops.swiglu_linear)
+        return ops.swiglu_linear(gate, up, self.down_proj.weight)
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ from .cross_entropy import linear_cross_entropy
 
 __all__ = [
     "gated_delta_rule", "kda", "simple_gla", "causal_conv1d", "rms_norm", "gated_rms_norm", "swiglu",
-    "attention", "linear_cross_entropy", "compile_loss", "use_reference_kernels", "backend_for",
+    "swiglu_linear", "attention", "linear_cross_entropy", "compile_loss", "use_reference_kernels", "backend_for",
 ]
 
 _FORCE_REFERENCE = False
@@ -113,6 +113,15 @@ def swiglu(gate, up):
     if backend_for(gate) == "fla":
         return _fla().swiglu(gate, up)
     return F.silu(gate) * up
+
+
+def swiglu_linear(gate, up, weight):
+    """(silu(gate) * up) @ weight.T, without keeping silu(gate) * up for the backward pass: it is formed again
+    there, in the same pass that computes the gradients of gate and up. Saves one [tokens, hidden] activation per
+    MLP (a quarter of a 300M model's activation memory) for no extra matrix product."""
+    if backend_for(gate) == "fla":
+        return _fla().swiglu_linear(gate, up, weight)
+    return F.linear(F.silu(gate) * up, weight)
 
 
 def attention(q, k, v, scale, cu_seqlens=None, rows=1):

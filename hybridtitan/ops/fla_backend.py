@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from fla.modules.activations import swiglu as _fla_swiglu
+from fla.modules.activations import swiglu_linear as _fla_swiglu_linear
 from fla.modules.convolution import causal_conv1d as _fla_causal_conv1d
 from fla.modules.fused_norm_gate import rms_norm_gated as _fla_rms_norm_gated
 from fla.modules.layernorm import rms_norm as _fla_rms_norm
@@ -78,6 +79,10 @@ def gated_rms_norm(x, gate, weight, eps, activation, norm_before_gate, group_siz
 
 def swiglu(gate, up):
     return _fla_swiglu(gate, up)
+
+
+def swiglu_linear(gate, up, weight):
+    return _fla_swiglu_linear(gate, up, weight, None)
 
 
 def attention(q, k, v, scale, cu_seqlens, rows):
