@@ -389,6 +389,63 @@ def run_with_retry(args, mesh, device, name: str, impl: str, info: dict) -> dict
 # ================================================================================================ CE micro-benchmark
 
 
+# Prototypes of the next cross-entropy changes (docs/benchmarks.md), measured here before the op changes. The op
+# (hybridtitan.ops.cross_entropy) is not touched by them.
+
+def _proto_chunk(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor):
+    """As the op's compiled chunk, but the target's -1 is written by comparing column indices in the same
+    elementwise expression (no functional scatter_add, which makes Inductor materialise the gradient again)."""
+    x = logits.float()
+    peak = x.amax(dim=1, keepdim=True)
+    e = (x - peak).exp()
+    sum_e = e.sum(dim=1, keepdim=True)
+    weight = valid.to(torch.float32).unsqueeze(1)
+    loss = ((peak + sum_e.log() - x.gather(1, target)) * weight).sum()
+    columns = torch.arange(x.shape[1], device=x.device)
+    grad = e * (weight / sum_e) - torch.where(columns == target, weight, 0.0)
+    return loss, grad.to(logits.dtype)
+
+
+_PROTO_COMPILED: dict = {}
+
+
+def _accumulate_fp32_out(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (float32) += a @ b (bf16) inside the GEMM (float32 output, beta = 1), where torch has it (CUDA)."""
+    try:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    except (TypeError, RuntimeError, NotImplementedError):
+        acc.add_(a @ b)
+
+
+class _ProtoLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size: int, fp32_out: bool):
+        if "chunk" not in _PROTO_COMPILED:
+            _PROTO_COMPILED["chunk"] = torch.compile(_proto_chunk, dynamic=False)
+        chunk_fn = _PROTO_COMPILED["chunk"]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]
+            valid = t != -100
+            loss, grad = chunk_fn(h @ weight.t(), torch.where(valid, t, 0).unsqueeze(1), valid)
+            total += loss
+            grad_hidden[start:start + chunk_size] = grad @ weight
+            if fp32_out:
+                _accumulate_fp32_out(grad_weight, grad.t(), h)
+            else:
+                grad_weight.add_(grad.t() @ h)
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_output.to(grad_hidden.dtype), grad_weight * grad_output.to(grad_weight.dtype), \
+            None, None, None
+
+
 def ce_bench(args, device) -> list[dict]:
     """Forward + backward of the output layer's loss, [tokens, dim] x [vocab, dim] in bf16: ours eagerly and with
     the chunks compiled (compile.components = ["loss"]), and FLA's fused linear cross-entropy."""
@@ -421,8 +478,16 @@ def ce_bench(args, device) -> list[dict]:
 
         return FusedLinearCrossEntropyLoss(reduction="mean")(h, targets, w)
 
+    def proto_where(h, w):
+        return _ProtoLinearCE.apply(h, w, targets, chunk, False) / count
+
+    def proto_where_fp32_out(h, w):
+        return _ProtoLinearCE.apply(h, w, targets, chunk, True) / count
+
     impls = [("hybridtitan ops.linear_cross_entropy", ours),
-             ("hybridtitan, chunks compiled", ours_compiled), ("FLA FusedLinearCrossEntropyLoss", fla_flce)]
+             ("hybridtitan, chunks compiled", ours_compiled), ("FLA FusedLinearCrossEntropyLoss", fla_flce),
+             ("prototype: compiled, target by column index", proto_where),
+             ("prototype: + weight grad accumulated in the GEMM", proto_where_fp32_out)]
     rows, base = [], None
     flops = 6 * tokens * dim * vocab  # logits, grad of the hidden states, grad of the weight
     for label, fn in impls:

@@ -23,12 +23,17 @@ if [[ $parts == *bench* ]]; then
   cat /tmp/profiles/*.txt >> "$OUT/bench.log" 2>/dev/null
 fi
 if [[ $parts == *check* ]]; then
-  timeout "${CHECK_S:-240}" python scripts/gpu_check.py --json "$OUT/gpu_check.json" 2>&1 | tee "$OUT/gpu_check.log" \
-    | grep -v "Warning\|warn" | tail -60
+  # two processes: a kernel fault leaves the CUDA context unusable, and the end-to-end cases (whole models) are
+  # where one was seen (debug_mamba2 packed); CUDA_LAUNCH_BLOCKING there names the kernel that faults
+  timeout "${CHECK_S:-240}" python scripts/gpu_check.py --only ops,fla --json "$OUT/gpu_check.json" 2>&1 \
+    | tee "$OUT/gpu_check.log" | grep -v "Warning\|warn" | tail -45
+  CUDA_LAUNCH_BLOCKING=1 timeout "${CHECK_S:-240}" python scripts/gpu_check.py --only e2e --verbose \
+    --json "$OUT/gpu_check_e2e.json" 2>&1 | tee "$OUT/gpu_check_e2e.log" | grep -v "Warning\|warn" | tail -30
 fi
 if [[ $parts == *record* ]]; then
+  # RECORD_ARGS, e.g. "--flavors debug_kda,kda_300M,zebra_mamba2_300M" to record only some flavors
   timeout "${RECORD_S:-420}" python scripts/record_triton_manifest.py --jobs 8 --timeout $((${RECORD_S:-420} - 30)) \
-    --out "$OUT/triton_kernels.json" 2>&1 | tee "$OUT/record.log" | tail -25
+    --out "$OUT/triton_kernels.json" ${RECORD_ARGS:-} 2>&1 | tee "$OUT/record.log" | tail -25
 fi
 if [[ $parts == *train* ]]; then
   run="torchrun --standalone --nproc_per_node 1 -m hybridtitan.train --job.config_file train_configs/debug_hybrid.toml
