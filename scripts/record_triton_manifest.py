@@ -60,8 +60,9 @@ def merge(out: str, workdir: str, done: dict) -> tuple[dict | None, list[str], l
     failed = sorted(f"{f} boundaries={b}" for (f, b), rc in done.items() if rc)
     if not parts:
         return None, failed, skipped
+    records = [{"origin": m["device"], **r} for m in parts for r in m["kernels"]]  # where each was recorded
     manifest = save_manifest(
-        out, [r for m in parts for r in m["kernels"]], device=parts[0]["device"],
+        out, records, device=parts[0]["device"],
         source="recorded by scripts/record_triton_manifest.py: one training step per flavor (sequence 2048, "
                "batch 1, torch.compile off), each in a fresh process under record_triton_kernels()",
         recorded=sorted(recorded), **({"failed": failed} if failed else {}),
