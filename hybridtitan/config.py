@@ -427,5 +427,10 @@ def selective_ac_interval(cfg) -> int:
     return int(cfg.activation_checkpoint.selective_ac_option)
 
 
+def compiles(cfg, component: str) -> bool:
+    """Whether torch.compile covers ``component`` ("model": each sublayer, "loss": the cross-entropy chunks)."""
+    return cfg.compile.enable and component in cfg.compile.components
+
+
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 
-from hybridtitan.config import ConfigError, model_args, parse_config, selective_ac_interval
+from hybridtitan.config import ConfigError, compiles, model_args, parse_config, selective_ac_interval
 from hybridtitan.models import FLAVORS
 from hybridtitan.models.flops import flops_per_token, param_counts, sublayer_flops, sublayer_params
 
@@ -58,8 +58,7 @@ def describe(cfg) -> dict:
         act += activation_elements_per_token(args, kind) if kept else args.dim
     act_bytes = act * tokens * on_gpu_bytes + tokens * args.dim * 4
     # one chunk of 16-bit logits and their gradient, plus a float32 copy when the chunk's softmax runs eagerly
-    compiled_loss = cfg.compile.enable and "loss" in cfg.compile.components
-    loss_bytes = min(tokens, t.loss_chunk_size) * args.vocab_size * (4 if compiled_loss else 8)
+    loss_bytes = min(tokens, t.loss_chunk_size) * args.vocab_size * (4 if compiles(cfg, "loss") else 8)
     # fp32 parameters, gradients and two AdamW moments, sharded; a gathered bf16 copy of the largest sublayer
     states = counts["total"] * 16 / shard
     layers = [

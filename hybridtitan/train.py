@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from hybridtitan import ops
 from hybridtitan.checkpoint import CheckpointManager, complete_steps, load_model_args, resolve_checkpoint
-from hybridtitan.config import ConfigError, model_args, parse_config, selective_ac_interval, to_dict
+from hybridtitan.config import ConfigError, compiles, model_args, parse_config, selective_ac_interval, to_dict
 from hybridtitan.data import build_dataloader, build_tokenizer
 from hybridtitan.errors import first_error_line
 from hybridtitan.metrics import MetricsLogger
@@ -231,10 +231,10 @@ def train(cfg, plan: Plan) -> dict:
                        "data.document_boundaries = false")
     model = build_parallel_model(args, mesh, device, ac_mode=cfg.activation_checkpoint.mode,
                                  ac_every=selective_ac_interval(cfg),
-                                 compile_model=cfg.compile.enable and "model" in cfg.compile.components,
+                                 compile_model=compiles(cfg, "model"),
                                  param_dtype=param_dtype,
                                  reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward)
-    if cfg.compile.enable and "loss" in cfg.compile.components:
+    if compiles(cfg, "loss"):
         ops.compile_loss(True)  # the elementwise part of each cross-entropy chunk, fused
 
     optimizer = build_optimizer(model, cfg, device.type)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import gzip
 import math
@@ -390,7 +391,7 @@ def run_with_retry(args, mesh, device, name: str, impl: str, info: dict) -> dict
 
 
 # Prototypes of the next cross-entropy changes (docs/benchmarks.md), measured here before the op changes. The op
-# (hybridtitan.ops.cross_entropy) is not touched by them.
+# runs them through its own chunk loop (its chunk_fn and accumulate arguments); its default path is unchanged.
 
 def _proto_chunk(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor):
     """As the op's compiled chunk, but the target's -1 is written by comparing column indices in the same
@@ -406,44 +407,19 @@ def _proto_chunk(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor
     return loss, grad.to(logits.dtype)
 
 
-_PROTO_COMPILED: dict = {}
+@functools.cache
+def _proto_chunk_compiled():
+    return torch.compile(_proto_chunk, dynamic=False)
 
 
-def _accumulate_fp32_out(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (float32) += a @ b (bf16) inside the GEMM (float32 output, beta = 1), where torch has it (CUDA)."""
+def _accumulate_fp32_out(grad_hidden, grad_weight, probs, h, weight, start: int) -> None:
+    """As the op's ``_accumulate``, but d W += probs^T h inside the GEMM (float32 output, beta = 1), where
+    torch has it (CUDA), instead of a bf16 product added to the float32 accumulator."""
+    grad_hidden[start:start + probs.shape[0]] = probs @ weight
     try:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        torch.addmm(grad_weight, probs.t(), h, out_dtype=torch.float32, out=grad_weight)
     except (TypeError, RuntimeError, NotImplementedError):
-        acc.add_(a @ b)
-
-
-class _ProtoLinearCE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size: int, fp32_out: bool):
-        if "chunk" not in _PROTO_COMPILED:
-            _PROTO_COMPILED["chunk"] = torch.compile(_proto_chunk, dynamic=False)
-        chunk_fn = _PROTO_COMPILED["chunk"]
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for start in range(0, hidden.shape[0], chunk_size):
-            h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]
-            valid = t != -100
-            loss, grad = chunk_fn(h @ weight.t(), torch.where(valid, t, 0).unsqueeze(1), valid)
-            total += loss
-            grad_hidden[start:start + chunk_size] = grad @ weight
-            if fp32_out:
-                _accumulate_fp32_out(grad_weight, grad.t(), h)
-            else:
-                grad_weight.add_(grad.t() @ h)
-        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_output.to(grad_hidden.dtype), grad_weight * grad_output.to(grad_weight.dtype), \
-            None, None, None
+        grad_weight.add_(probs.t() @ h)
 
 
 def ce_bench(args, device) -> list[dict]:
@@ -464,25 +440,24 @@ def ce_bench(args, device) -> list[dict]:
     chunk = 256 if tiny else 4096
 
     def ours(h, w):
-        return ops.linear_cross_entropy(h, w, targets, chunk_size=chunk)[0] / count
+        return ops.linear_cross_entropy(h, w, targets, chunk_size=chunk, compiled=False)[0] / count
 
     def ours_compiled(h, w):
-        ops.compile_loss(True)
-        try:
-            return ops.linear_cross_entropy(h, w, targets, chunk_size=chunk)[0] / count
-        finally:
-            ops.compile_loss(False)
+        return ops.linear_cross_entropy(h, w, targets, chunk_size=chunk, compiled=True)[0] / count
 
     def fla_flce(h, w):
         from fla.modules import FusedLinearCrossEntropyLoss
 
         return FusedLinearCrossEntropyLoss(reduction="mean")(h, targets, w)
 
+    from hybridtitan.ops.cross_entropy import _LinearCrossEntropy
+
     def proto_where(h, w):
-        return _ProtoLinearCE.apply(h, w, targets, chunk, False) / count
+        return _LinearCrossEntropy.apply(h, w, targets, -100, chunk, _proto_chunk_compiled()) / count
 
     def proto_where_fp32_out(h, w):
-        return _ProtoLinearCE.apply(h, w, targets, chunk, True) / count
+        return _LinearCrossEntropy.apply(h, w, targets, -100, chunk, _proto_chunk_compiled(),
+                                         _accumulate_fp32_out) / count
 
     impls = [("hybridtitan ops.linear_cross_entropy", ours),
              ("hybridtitan, chunks compiled", ours_compiled), ("FLA FusedLinearCrossEntropyLoss", fla_flce),

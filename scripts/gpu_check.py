@@ -160,31 +160,20 @@ def op_cases(sh: Shapes, device: torch.device):
     def add(op, case, make, call, ref_call=None):
         cases.append((op, case, make, call, ref_call))
 
-    # --- Gated DeltaNet: H=4 key heads, HV=8 value heads, K=V=64 (gdn_300M)
-    for case, B, c in layouts:
-        def make(gen, B=B, c=c):
-            H, HV, K, V = 4, 8, 64, 64
-            t = {"q": _randn(gen, B, sh.T, H, K, device=device), "k": _randn(gen, B, sh.T, H, K, device=device),
-                 "v": _randn(gen, B, sh.T, HV, V, device=device), "a": _randn(gen, B, sh.T, HV, device=device),
-                 "b": _randn(gen, B, sh.T, HV, device=device), "A_log": _A_log(HV, device),
-                 "dt_bias": _dt_bias(HV, device)}
-            return {k: v.to(bf16) for k, v in t.items()}, {"cu_seqlens": c}
-        add("gated_delta_rule", case, make,
-            lambda q, k, v, a, b, A_log, dt_bias, cu_seqlens: ops.gated_delta_rule(
-                q, k, v, a, b, A_log, dt_bias, cu_seqlens=cu_seqlens)[0])
-
-    # --- KDA: H=8, K=32, V=64 (kda_300M), one decay per key channel
-    for case, B, c in layouts:
-        def make(gen, B=B, c=c):
-            H, K, V = 8, 32, 64
-            t = {"q": _randn(gen, B, sh.T, H, K, device=device), "k": _randn(gen, B, sh.T, H, K, device=device),
-                 "v": _randn(gen, B, sh.T, H, V, device=device), "a": _randn(gen, B, sh.T, H, K, device=device),
-                 "b": _randn(gen, B, sh.T, H, device=device), "A_log": _A_log(H, device),
-                 "dt_bias": _dt_bias(H * K, device)}
-            return {k: v.to(bf16) for k, v in t.items()}, {"cu_seqlens": c}
-        add("kda", case, make,
-            lambda q, k, v, a, b, A_log, dt_bias, cu_seqlens: ops.kda(
-                q, k, v, a, b, A_log, dt_bias, cu_seqlens=cu_seqlens)[0])
+    # --- Gated DeltaNet (gdn_300M: H=4 key heads, HV=8 value heads, K=V=64, one decay per value head) and KDA
+    # (kda_300M: H=HV=8, K=32, V=64, one decay per key channel)
+    for op, fn, (H, HV, K, V), per_channel in (("gated_delta_rule", ops.gated_delta_rule, (4, 8, 64, 64), False),
+                                               ("kda", ops.kda, (8, 8, 32, 64), True)):
+        for case, B, c in layouts:
+            def make(gen, B=B, c=c, H=H, HV=HV, K=K, V=V, decay=(HV, K) if per_channel else (HV,)):
+                t = {"q": _randn(gen, B, sh.T, H, K, device=device), "k": _randn(gen, B, sh.T, H, K, device=device),
+                     "v": _randn(gen, B, sh.T, HV, V, device=device), "a": _randn(gen, B, sh.T, *decay, device=device),
+                     "b": _randn(gen, B, sh.T, HV, device=device), "A_log": _A_log(HV, device),
+                     "dt_bias": _dt_bias(math.prod(decay), device)}
+                return {k: v.to(bf16) for k, v in t.items()}, {"cu_seqlens": c}
+            add(op, case, make,
+                lambda q, k, v, a, b, A_log, dt_bias, cu_seqlens, fn=fn: fn(
+                    q, k, v, a, b, A_log, dt_bias, cu_seqlens=cu_seqlens)[0])
 
     # --- simple GLA as Mamba2's SSD: H=32, K=d_state=64, V=head_dim=64, scale 1, g = A * dt (float32)
     for case, B, c in layouts:
@@ -275,13 +264,9 @@ def op_cases(sh: Shapes, device: torch.device):
                                                                  chunk_size=sh.ce_chunk)[0],
         ce_ref)
 
-    def compiled_ce(hidden, weight, targets):
-        ops.compile_loss(True)  # the trainer's compile.components = ["loss"]
-        try:
-            return ops.linear_cross_entropy(hidden, weight, targets, chunk_size=sh.ce_chunk)[0]
-        finally:
-            ops.compile_loss(False)
-    add("linear_cross_entropy compiled", f"{sh.ce_tokens} tok, V={sh.vocab}, 5% ignored", make_ce, compiled_ce,
+    add("linear_cross_entropy compiled", f"{sh.ce_tokens} tok, V={sh.vocab}, 5% ignored", make_ce,
+        lambda hidden, weight, targets: ops.linear_cross_entropy(hidden, weight, targets, chunk_size=sh.ce_chunk,
+                                                                 compiled=True)[0],  # compile.components ["loss"]
         ce_ref)
     return cases
 

@@ -95,6 +95,7 @@ def main(argv=None) -> int:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     running: list[tuple] = []
     done: dict[tuple, int] = {}
+    manifest, failed, skipped = None, [], []
     t0 = time.perf_counter()
     while todo or running:
         while todo and len(running) < args.jobs:
@@ -120,9 +121,8 @@ def main(argv=None) -> int:
                 if proc.returncode:
                     with open(log.name) as f:
                         print("    " + "    ".join(f.readlines()[-5:]), flush=True)
-                merge(args.out, args.workdir, done)
+                manifest, failed, skipped = merge(args.out, args.workdir, done)
 
-    manifest, failed, skipped = merge(args.out, args.workdir, done)
     if manifest is None:
         print("no recording succeeded", file=sys.stderr)
         return 1

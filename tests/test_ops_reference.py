@@ -105,39 +105,36 @@ def _delta_inputs(B, T, H, HV, K, V, cu_seqlens, with_h0, per_channel):
 # Gated DeltaNet / KDA cores
 
 
-@pytest.mark.parametrize("B, T, H, HV, K, V, cu_seqlens, with_h0", DELTA_CASES)
-def test_chunk_delta_rule_gdn_vs_fla_naive(B, T, H, HV, K, V, cu_seqlens, with_h0):
-    q, k, v, g, beta, h0, cu = _delta_inputs(B, T, H, HV, K, V, cu_seqlens, with_h0, per_channel=False)
-    ours_in = _leaves(q, k, v, g, beta, h0)
-    theirs_in = _leaves(q, k, v, g, beta, h0)
-    o, s = reference.chunk_delta_rule(*ours_in[:5], scale=None, initial_state=ours_in[5], output_final_state=True,
-                                      cu_seqlens=cu, chunk_size=64)
-
+def _naive_gdn(H, HV):
     def naive(q_, k_, v_, g_, b_, initial_state):
         G = HV // H
         return naive_recurrent_gated_delta_rule(
             q_.repeat_interleave(G, dim=2), k_.repeat_interleave(G, dim=2), v_, b_, g_,
             initial_state=initial_state, output_final_state=True,
         )
-
-    o_ref, s_ref = _per_document(naive, cu_seqlens, B, T, theirs_in[5], theirs_in[:5])
-    names = ["q", "k", "v", "g", "beta"] + (["initial_state"] if with_h0 else [])
-    n = len(names)
-    _check([o, s], [o_ref, s_ref], ours_in[:n], theirs_in[:n], names)
+    return naive
 
 
+def _naive_kda(H, HV):
+    def naive(q_, k_, v_, g_, b_, initial_state):
+        return naive_recurrent_kda(q_, k_, v_, g_, b_, initial_state=initial_state, output_final_state=True)
+    return naive
+
+
+# mixer -> (one decay per key channel, the reference's chunk size, FLA's naive recurrence for H, HV heads)
+DELTA_MIXERS = {"gdn": (False, 64, _naive_gdn), "kda": (True, 16, _naive_kda)}
+
+
+@pytest.mark.parametrize("mixer", list(DELTA_MIXERS))
 @pytest.mark.parametrize("B, T, H, HV, K, V, cu_seqlens, with_h0", DELTA_CASES)
-def test_chunk_delta_rule_kda_vs_fla_naive(B, T, H, HV, K, V, cu_seqlens, with_h0):
-    q, k, v, g, beta, h0, cu = _delta_inputs(B, T, H, HV, K, V, cu_seqlens, with_h0, per_channel=True)
+def test_chunk_delta_rule_vs_fla_naive(mixer, B, T, H, HV, K, V, cu_seqlens, with_h0):
+    per_channel, chunk_size, naive_for = DELTA_MIXERS[mixer]
+    q, k, v, g, beta, h0, cu = _delta_inputs(B, T, H, HV, K, V, cu_seqlens, with_h0, per_channel=per_channel)
     ours_in = _leaves(q, k, v, g, beta, h0)
     theirs_in = _leaves(q, k, v, g, beta, h0)
     o, s = reference.chunk_delta_rule(*ours_in[:5], scale=None, initial_state=ours_in[5], output_final_state=True,
-                                      cu_seqlens=cu, chunk_size=16)
-
-    def naive(q_, k_, v_, g_, b_, initial_state):
-        return naive_recurrent_kda(q_, k_, v_, g_, b_, initial_state=initial_state, output_final_state=True)
-
-    o_ref, s_ref = _per_document(naive, cu_seqlens, B, T, theirs_in[5], theirs_in[:5])
+                                      cu_seqlens=cu, chunk_size=chunk_size)
+    o_ref, s_ref = _per_document(naive_for(H, HV), cu_seqlens, B, T, theirs_in[5], theirs_in[:5])
     names = ["q", "k", "v", "g", "beta"] + (["initial_state"] if with_h0 else [])
     n = len(names)
     _check([o, s], [o_ref, s_ref], ours_in[:n], theirs_in[:n], names)

@@ -49,8 +49,12 @@ def _compiled_chunk():
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
+    """``chunk_fn`` (the signature of ``_chunk_loss_and_grad``) and ``accumulate`` (of ``_accumulate``) replace
+    the chunk's softmax part and its gradient products when given: the benchmark measures alternatives with
+    them before the op changes (scripts/bench_throughput.py)."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index: int, chunk_size: int):
+    def forward(ctx, hidden, weight, targets, ignore_index: int, chunk_size: int, chunk_fn=None, accumulate=None):
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         n = hidden.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -63,9 +67,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             safe_t = torch.where(valid, t, torch.zeros_like(t)).unsqueeze(1)
             logits = h @ weight.t()
             if need_grad:
-                chunk = _compiled_chunk() if _COMPILED else _chunk_loss_and_grad
+                chunk = chunk_fn or (_compiled_chunk() if _COMPILED else _chunk_loss_and_grad)
                 loss, probs = chunk(logits, safe_t, valid)
-                _accumulate(grad_hidden, grad_weight, probs.to(hidden.dtype), h, weight, start)
+                (accumulate or _accumulate)(grad_hidden, grad_weight, probs.to(hidden.dtype), h, weight, start)
             else:  # evaluation: the loss alone
                 x = logits.float()
                 lse = torch.logsumexp(x, dim=1, keepdim=True)
@@ -80,7 +84,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         gh = grad_hidden * grad_output.to(grad_hidden.dtype) if ctx.needs_input_grad[0] else None
         gw = grad_weight * grad_output.to(grad_weight.dtype) if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None, None
+        return gh, gw, None, None, None, None, None
 
 
 def _accumulate(grad_hidden, grad_weight, probs, h, weight, start: int) -> None:
@@ -98,15 +102,18 @@ def linear_cross_entropy(
     targets: torch.Tensor,
     ignore_index: int = -100,
     chunk_size: int = 4096,
+    compiled: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy of ``hidden @ weight.T`` against ``targets``, and the number of counted tokens.
 
     hidden: [..., D]; weight: [V, D]; targets: [...] (``ignore_index`` marks tokens that do not count).
-    Divide the sum by the count (or by a global token count) for the mean.
+    Divide the sum by the count (or by a global token count) for the mean. ``compiled``: run the chunks'
+    elementwise part through torch.compile or not for this call; None follows ``compile_chunks``.
     """
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
     if h.shape[0] != t.shape[0]:
         raise ValueError(f"{h.shape[0]} hidden states for {t.shape[0]} targets")
-    loss_sum = _LinearCrossEntropy.apply(h, weight, t, ignore_index, chunk_size)
+    chunk_fn = None if compiled is None else (_compiled_chunk() if compiled else _chunk_loss_and_grad)
+    loss_sum = _LinearCrossEntropy.apply(h, weight, t, ignore_index, chunk_size, chunk_fn)
     return loss_sum, (t != ignore_index).sum()
