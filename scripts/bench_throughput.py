@@ -390,36 +390,21 @@ def run_with_retry(args, mesh, device, name: str, impl: str, info: dict) -> dict
 # ================================================================================================ CE micro-benchmark
 
 
-# Prototypes of the next cross-entropy changes (docs/benchmarks.md), measured here before the op changes. The op
-# runs them through its own chunk loop (its chunk_fn and accumulate arguments); its default path is unchanged.
-
-def _proto_chunk(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor):
-    """As the op's compiled chunk, but the target's -1 is written by comparing column indices in the same
-    elementwise expression (no functional scatter_add, which makes Inductor materialise the gradient again)."""
-    x = logits.float()
-    peak = x.amax(dim=1, keepdim=True)
-    e = (x - peak).exp()
-    sum_e = e.sum(dim=1, keepdim=True)
-    weight = valid.to(torch.float32).unsqueeze(1)
-    loss = ((peak + sum_e.log() - x.gather(1, target)) * weight).sum()
-    columns = torch.arange(x.shape[1], device=x.device)
-    grad = e * (weight / sum_e) - torch.where(columns == target, weight, 0.0)
-    return loss, grad.to(logits.dtype)
-
+# The compiled chunk as the op had it before its last change (docs/benchmarks.md, H200 second measurement):
+# the target's -1 scattered into the gradient, each chunk's bf16 weight gradient added to the float32 sum
+# outside the GEMM. Measured beside the op's current path in the same run, through the op's chunk loop
+# (its chunk_fn and accumulate arguments).
 
 @functools.cache
-def _proto_chunk_compiled():
-    return torch.compile(_proto_chunk, dynamic=False)
+def _previous_chunk_compiled():
+    from hybridtitan.ops.cross_entropy import _chunk_loss_and_grad
+
+    return torch.compile(_chunk_loss_and_grad, dynamic=False)
 
 
-def _accumulate_fp32_out(grad_hidden, grad_weight, probs, h, weight, start: int) -> None:
-    """As the op's ``_accumulate``, but d W += probs^T h inside the GEMM (float32 output, beta = 1), where
-    torch has it (CUDA), instead of a bf16 product added to the float32 accumulator."""
+def _previous_accumulate(grad_hidden, grad_weight, probs, h, weight, start: int) -> None:
     grad_hidden[start:start + probs.shape[0]] = probs @ weight
-    try:
-        torch.addmm(grad_weight, probs.t(), h, out_dtype=torch.float32, out=grad_weight)
-    except (TypeError, RuntimeError, NotImplementedError):
-        grad_weight.add_(probs.t() @ h)
+    grad_weight.add_(probs.t() @ h)
 
 
 def ce_bench(args, device) -> list[dict]:
@@ -452,17 +437,13 @@ def ce_bench(args, device) -> list[dict]:
 
     from hybridtitan.ops.cross_entropy import _LinearCrossEntropy
 
-    def proto_where(h, w):
-        return _LinearCrossEntropy.apply(h, w, targets, -100, chunk, _proto_chunk_compiled()) / count
+    def previous_compiled(h, w):
+        return _LinearCrossEntropy.apply(h, w, targets, -100, chunk, _previous_chunk_compiled(),
+                                         _previous_accumulate) / count
 
-    def proto_where_fp32_out(h, w):
-        return _LinearCrossEntropy.apply(h, w, targets, -100, chunk, _proto_chunk_compiled(),
-                                         _accumulate_fp32_out) / count
-
-    impls = [("hybridtitan ops.linear_cross_entropy", ours),
-             ("hybridtitan, chunks compiled", ours_compiled), ("FLA FusedLinearCrossEntropyLoss", fla_flce),
-             ("prototype: compiled, target by column index", proto_where),
-             ("prototype: + weight grad accumulated in the GEMM", proto_where_fp32_out)]
+    impls = [("before: chunks compiled, scatter + bf16 weight grad added", previous_compiled),
+             ("hybridtitan ops.linear_cross_entropy, eager", ours),
+             ("hybridtitan, chunks compiled", ours_compiled), ("FLA FusedLinearCrossEntropyLoss", fla_flce)]
     rows, base = [], None
     flops = 6 * tokens * dim * vocab  # logits, grad of the hidden states, grad of the weight
     for label, fn in impls:
@@ -493,9 +474,9 @@ def ce_bench(args, device) -> list[dict]:
             else:
                 from _gpu_common import rel_err
 
-                row.update(loss_rel_vs_ours=abs(row["loss"] - base[0].item()) / abs(base[0].item()),
-                           grad_hidden_err_vs_ours=rel_err(out[1], base[1]),
-                           grad_weight_err_vs_ours=rel_err(out[2], base[2]))
+                row.update(loss_rel_vs_first=abs(row["loss"] - base[0].item()) / abs(base[0].item()),
+                           grad_hidden_err_vs_first=rel_err(out[1], base[1]),
+                           grad_weight_err_vs_first=rel_err(out[2], base[2]))
             del out
         except Exception as e:  # noqa: BLE001
             row.update(status="FAIL", error=one_line(e))
@@ -504,15 +485,15 @@ def ce_bench(args, device) -> list[dict]:
 
 
 CE_COLUMNS = ["cross-entropy impl", "tokens x dim -> vocab", "ms fwd+bwd", "TFLOP/s", "peak alloc GiB",
-              "grad err vs ours (hidden / weight)", "status"]
+              "grad err vs first row (hidden / weight)", "status"]
 
 
 def ce_table_rows(rows: list[dict]) -> list[list]:
     out = []
     for r in rows:
         errs = "-"
-        if "grad_hidden_err_vs_ours" in r:
-            errs = f"{r['grad_hidden_err_vs_ours']:.1e} / {r['grad_weight_err_vs_ours']:.1e}"
+        if "grad_hidden_err_vs_first" in r:
+            errs = f"{r['grad_hidden_err_vs_first']:.1e} / {r['grad_weight_err_vs_first']:.1e}"
         status = r["status"] + (f": {r['error'][:80]}" if r.get("error") else "") + \
             (f" [{r['note']}]" if r.get("note") else "")
         out.append([r["impl"], f"{r['tokens']} x {r['dim']} -> {r['vocab']}", _num(r.get("ms")),

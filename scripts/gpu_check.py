@@ -136,16 +136,21 @@ def _randn(gen, *shape, device, scale=1.0):
     return torch.randn(*shape, generator=gen, device="cpu").mul_(scale).to(device)
 
 
-def _A_log(n, device):
+def _seeded_init(gen, init, n, device):
+    """A parameter initialised as the models do, from the case's generator (the inits draw from the global RNG)."""
     t = torch.empty(n)
-    init_log_uniform_A(t)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+        init(t)
     return t.to(device)
 
 
-def _dt_bias(n, device):
-    t = torch.empty(n)
-    init_dt_bias(t)
-    return t.to(device)
+def _A_log(gen, n, device):
+    return _seeded_init(gen, init_log_uniform_A, n, device)
+
+
+def _dt_bias(gen, n, device):
+    return _seeded_init(gen, init_dt_bias, n, device)
 
 
 def op_cases(sh: Shapes, device: torch.device):
@@ -168,26 +173,27 @@ def op_cases(sh: Shapes, device: torch.device):
             def make(gen, B=B, c=c, H=H, HV=HV, K=K, V=V, decay=(HV, K) if per_channel else (HV,)):
                 t = {"q": _randn(gen, B, sh.T, H, K, device=device), "k": _randn(gen, B, sh.T, H, K, device=device),
                      "v": _randn(gen, B, sh.T, HV, V, device=device), "a": _randn(gen, B, sh.T, *decay, device=device),
-                     "b": _randn(gen, B, sh.T, HV, device=device), "A_log": _A_log(HV, device),
-                     "dt_bias": _dt_bias(math.prod(decay), device)}
+                     "b": _randn(gen, B, sh.T, HV, device=device), "A_log": _A_log(gen, HV, device),
+                     "dt_bias": _dt_bias(gen, math.prod(decay), device)}
                 return {k: v.to(bf16) for k, v in t.items()}, {"cu_seqlens": c}
             add(op, case, make,
                 lambda q, k, v, a, b, A_log, dt_bias, cu_seqlens, fn=fn: fn(
                     q, k, v, a, b, A_log, dt_bias, cu_seqlens=cu_seqlens)[0])
 
-    # --- simple GLA as Mamba2's SSD: H=32, K=d_state=64, V=head_dim=64, scale 1, g = A * dt (float32)
-    for case, B, c in layouts:
-        def make(gen, B=B, c=c):
-            H, K, V = 32, 64, 64
-            dt = F.softplus(_randn(gen, B, sh.T, H, device=device, scale=0.5) + _dt_bias(H, device))
-            A = -_A_log(H, device).exp()
-            t = {"q": _randn(gen, B, sh.T, H, K, device=device).to(bf16),
-                 "k": _randn(gen, B, sh.T, H, K, device=device).to(bf16),
-                 "v": (_randn(gen, B, sh.T, H, V, device=device) * dt.unsqueeze(-1)).to(bf16),
-                 "g": (A * dt).float()}
-            return t, {"cu_seqlens": c}
-        add("simple_gla", case, make,
-            lambda q, k, v, g, cu_seqlens: ops.simple_gla(q, k, v, g, scale=1.0, cu_seqlens=cu_seqlens)[0])
+    # --- simple GLA as Mamba2's SSD, scale 1, g = A * dt (float32): zebra_mamba2_300M's H=32, K=d_state=64,
+    # V=head_dim=64, and debug_mamba2's H=8, K=16, V=32 (packed, a key dim FLA gets wrong unpadded: fla_backend)
+    for op, (H, K, V) in (("simple_gla", (32, 64, 64)), ("simple_gla K=16 (debug_mamba2)", (8, 16, 32))):
+        for case, B, c in layouts:
+            def make(gen, B=B, c=c, H=H, K=K, V=V):
+                dt = F.softplus(_randn(gen, B, sh.T, H, device=device, scale=0.5) + _dt_bias(gen, H, device))
+                A = -_A_log(gen, H, device).exp()
+                t = {"q": _randn(gen, B, sh.T, H, K, device=device).to(bf16),
+                     "k": _randn(gen, B, sh.T, H, K, device=device).to(bf16),
+                     "v": (_randn(gen, B, sh.T, H, V, device=device) * dt.unsqueeze(-1)).to(bf16),
+                     "g": (A * dt).float()}
+                return t, {"cu_seqlens": c}
+            add(op, case, make,
+                lambda q, k, v, g, cu_seqlens: ops.simple_gla(q, k, v, g, scale=1.0, cu_seqlens=cu_seqlens)[0])
 
     # --- short convolution: GDN's value conv (512 channels, no bias) and Mamba2's (3072 channels, bias)
     for D, bias in ((512, False), (3072, True)):

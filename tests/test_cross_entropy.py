@@ -200,3 +200,25 @@ def test_compiled_chunks_equal_eager():
         ce.compile_chunks(False)
     for eager, fused in zip(*results):
         torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_weight_gradient_added_in_the_gemm_falls_back_where_unsupported():
+    """On a backend without a float32-output GEMM (this CPU), the accumulation falls back to add_, and a failed
+    attempt is remembered instead of raising on every chunk."""
+    from hybridtitan.ops import cross_entropy as ce
+
+    acc = torch.zeros(6, 5)
+    a, b = torch.randn(6, 4, dtype=torch.bfloat16), torch.randn(4, 5, dtype=torch.bfloat16)
+    assert ce._add_in_gemm(acc, a, b) is False and not acc.any()  # CPU: not tried
+    saved = dict(ce._GEMM_FP32_OUT)
+    try:
+        ce._GEMM_FP32_OUT["cpu"] = True  # claim support: the attempt fails and is remembered
+        assert ce._add_in_gemm(acc, a, b) is False and not acc.any()
+        assert ce._GEMM_FP32_OUT["cpu"] is False
+        grad_hidden, grad_weight = torch.empty(6, 4, dtype=torch.bfloat16), torch.zeros(5, 4)
+        probs, h = torch.randn(6, 5, dtype=torch.bfloat16), torch.randn(6, 4, dtype=torch.bfloat16)
+        ce._accumulate(grad_hidden, grad_weight, probs, h, torch.randn(5, 4, dtype=torch.bfloat16), 0)
+        torch.testing.assert_close(grad_weight, (probs.t() @ h).float())
+    finally:
+        ce._GEMM_FP32_OUT.clear()
+        ce._GEMM_FP32_OUT.update(saved)

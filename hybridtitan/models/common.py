@@ -94,7 +94,10 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor, **_) -> torch.Tensor:
-        gate, up = fused_linear(x, self.gate_proj, self.up_proj)
+        # Two products, not one over the concatenated weights (fused_linear): the backward pass of that split
+        # would concatenate the gate and up gradients, [tokens, 2 x hidden_dim], the largest copy of a step
+        # (8.6 ms of 304 on the H200), while the two products are each large enough to run at full speed.
+        gate, up = F.linear(x, self.gate_proj.weight), F.linear(x, self.up_proj.weight)
         # the product silu(gate) * up is not kept for the backward pass (ops.swiglu_linear)
         return ops.swiglu_linear(gate, up, self.down_proj.weight)
 

@@ -1,0 +1,50 @@
+"""The GPU backend's own logic around FLA's kernels, checked on CPU with the reference kernel standing in for FLA's
+(FLA's Triton kernels do not run here)."""
+
+import pytest
+import torch
+
+from hybridtitan.ops import fla_backend, reference
+
+
+@pytest.mark.parametrize("scale", [None, 1.0])
+def test_packed_simple_gla_pads_small_key_dims_exactly(monkeypatch, scale):
+    """With packed documents, key dims below 64 reach FLA's kernel padded with zero columns (its backward is
+    wrong at 16): outputs, final states and every gradient are those of the unpadded computation."""
+    seen = []
+
+    def stand_in(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens):
+        seen.append(q.shape[-1])
+        return reference.chunk_simple_gla(q, k, v, g, scale=scale, initial_state=initial_state,
+                                          output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+    monkeypatch.setattr(fla_backend, "chunk_simple_gla", stand_in)
+    gen = torch.Generator().manual_seed(0)
+    T, H, K, V = 96, 2, 16, 8
+    cu = torch.tensor([0, 30, 96])
+    q, k = (torch.randn(1, T, H, K, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(1, T, H, V, generator=gen, dtype=torch.float64)
+    g = -torch.rand(1, T, H, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(2, H, K, V, generator=gen, dtype=torch.float64)
+    inputs = [x.requires_grad_() for x in (q, k, v, g, h0)]
+
+    def run(fn):
+        for x in inputs:
+            x.grad = None
+        o, state = fn(*inputs[:4], scale, cu, inputs[4], True)
+        (o.sum() + state.pow(2).sum()).backward()
+        return o.detach(), state.detach(), [x.grad.clone() for x in inputs]
+
+    padded = run(fla_backend.simple_gla)
+    assert seen == [fla_backend.PACKED_MIN_KEY_DIM]
+    plain = run(lambda q, k, v, g, s, c, h, f: reference.chunk_simple_gla(
+        q, k, v, g, scale=s, initial_state=h, output_final_state=f, cu_seqlens=c))
+    assert padded[1].shape == (2, H, K, V)
+    torch.testing.assert_close(padded[0], plain[0])
+    torch.testing.assert_close(padded[1], plain[1])
+    for a, b in zip(padded[2], plain[2]):
+        torch.testing.assert_close(a, b)
+
+    seen.clear()  # dense batches are left as they are
+    fla_backend.simple_gla(q, k, v, g, scale, None, None, False)
+    assert seen == [K]
