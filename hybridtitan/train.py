@@ -225,11 +225,14 @@ def train(cfg, plan: Plan) -> dict:
     param_dtype = getattr(torch, cfg.training.mixed_precision_param) if on_gpu else torch.float32
     if not on_gpu and cfg.training.mixed_precision_param != "float32":
         logger.info("CPU: parameters and activations in float32 (training.mixed_precision_param applies to GPUs)")
-    if on_gpu and args.mixer == "mamba2" and cfg.data.document_boundaries and args.mamba2.d_state < 64:
-        logger.warning("Mamba2 with d_state %d and packed documents: FLA's packed simple-GLA backward was wrong at "
-                       "key dim 16 on an H200, so states below 64 are padded to 64 (hybridtitan.ops.fla_backend); "
-                       "that padded path was checked on CPU, not yet on a GPU (docs/benchmarks.md)",
-                       args.mamba2.d_state)
+    if on_gpu and args.mixer == "mamba2" and cfg.data.document_boundaries:
+        from hybridtitan.ops.fla_backend import PACKED_MIN_KEY_DIM
+
+        if args.mamba2.d_state < PACKED_MIN_KEY_DIM:
+            logger.warning("Mamba2 with d_state %d and packed documents: FLA's packed simple-GLA backward was wrong "
+                           "at key dim 16 on an H200, so states below %d are padded (hybridtitan.ops.fla_backend); "
+                           "that padded path was checked on CPU, not yet on a GPU (docs/benchmarks.md)",
+                           args.mamba2.d_state, PACKED_MIN_KEY_DIM)
     model = build_parallel_model(args, mesh, device, ac_mode=cfg.activation_checkpoint.mode,
                                  ac_every=selective_ac_interval(cfg),
                                  compile_model=compiles(cfg, "model"),

@@ -139,8 +139,8 @@ def _randn(gen, *shape, device, scale=1.0):
 def _seeded_init(gen, init, n, device):
     """A parameter initialised as the models do, from the case's generator (the inits draw from the global RNG)."""
     t = torch.empty(n)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+    with torch.random.fork_rng(devices=[]):  # restores the CPU generator, the only one reseeded
+        torch.default_generator.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
         init(t)
     return t.to(device)
 

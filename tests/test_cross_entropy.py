@@ -202,23 +202,36 @@ def test_compiled_chunks_equal_eager():
         torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
 
 
-def test_weight_gradient_added_in_the_gemm_falls_back_where_unsupported():
-    """On a backend without a float32-output GEMM (this CPU), the accumulation falls back to add_, and a failed
-    attempt is remembered instead of raising on every chunk."""
+def test_weight_gradient_added_in_the_gemm_and_its_fallback(monkeypatch):
+    """Where the backend has a float32-output GEMM, each chunk's weight gradient is added inside it (float32
+    products, no bf16 rounding); where it lacks one (this CPU), the bf16 product is added instead."""
     from hybridtitan.ops import cross_entropy as ce
 
-    acc = torch.zeros(6, 5)
-    a, b = torch.randn(6, 4, dtype=torch.bfloat16), torch.randn(4, 5, dtype=torch.bfloat16)
-    assert ce._add_in_gemm(acc, a, b) is False and not acc.any()  # CPU: not tried
-    saved = dict(ce._GEMM_FP32_OUT)
+    gen = torch.Generator().manual_seed(0)
+    probs, h = (torch.randn(64, 48, generator=gen).bfloat16(), torch.randn(64, 32, generator=gen).bfloat16())
+    weight = torch.randn(48, 32, generator=gen).bfloat16()
+    exact = probs.float().t() @ h.float()
+
+    def accumulate():
+        grad_hidden, grad_weight = torch.empty(64, 32, dtype=torch.bfloat16), torch.ones(48, 32)
+        ce._accumulate(grad_hidden, grad_weight, probs, h, weight, 0)
+        return grad_weight - 1
+
+    ce._fp32_out_gemm_supported.cache_clear()
+    assert not ce._fp32_out_gemm_supported("cpu", torch.bfloat16)
+    fallback = accumulate()
+    torch.testing.assert_close(fallback, (probs.t() @ h).float())  # the bf16-rounded product
+
+    def addmm_fp32_out(acc, a, b, *, out_dtype=None, out=None):  # what CUDA's addmm.dtype_out computes
+        assert out_dtype == torch.float32 and out is acc
+        return out.add_(a.float() @ b.float())
+
+    monkeypatch.setattr(torch, "addmm", addmm_fp32_out)
+    ce._fp32_out_gemm_supported.cache_clear()
     try:
-        ce._GEMM_FP32_OUT["cpu"] = True  # claim support: the attempt fails and is remembered
-        assert ce._add_in_gemm(acc, a, b) is False and not acc.any()
-        assert ce._GEMM_FP32_OUT["cpu"] is False
-        grad_hidden, grad_weight = torch.empty(6, 4, dtype=torch.bfloat16), torch.zeros(5, 4)
-        probs, h = torch.randn(6, 5, dtype=torch.bfloat16), torch.randn(6, 4, dtype=torch.bfloat16)
-        ce._accumulate(grad_hidden, grad_weight, probs, h, torch.randn(5, 4, dtype=torch.bfloat16), 0)
-        torch.testing.assert_close(grad_weight, (probs.t() @ h).float())
+        assert ce._fp32_out_gemm_supported("cpu", torch.bfloat16)
+        in_gemm = accumulate()
     finally:
-        ce._GEMM_FP32_OUT.clear()
-        ce._GEMM_FP32_OUT.update(saved)
+        ce._fp32_out_gemm_supported.cache_clear()
+    torch.testing.assert_close(in_gemm, exact, rtol=1e-6, atol=1e-5)
+    assert (in_gemm - exact).abs().max() < (fallback - exact).abs().max()

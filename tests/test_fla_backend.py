@@ -9,8 +9,9 @@ from hybridtitan.ops import fla_backend, reference
 
 @pytest.mark.parametrize("scale", [None, 1.0])
 def test_packed_simple_gla_pads_small_key_dims_exactly(monkeypatch, scale):
-    """With packed documents, key dims below 64 reach FLA's kernel padded with zero columns (its backward is
-    wrong at 16): outputs, final states and every gradient are those of the unpadded computation."""
+    """With packed documents and a backward pass to come, key dims below 64 reach FLA's kernel padded with zero
+    columns (its backward is wrong at 16): outputs, final states and every gradient are those of the unpadded
+    computation."""
     seen = []
 
     def stand_in(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens):
@@ -45,6 +46,8 @@ def test_packed_simple_gla_pads_small_key_dims_exactly(monkeypatch, scale):
     for a, b in zip(padded[2], plain[2]):
         torch.testing.assert_close(a, b)
 
-    seen.clear()  # dense batches are left as they are
+    seen.clear()  # dense batches, and packed ones without a backward pass (evaluation), are left as they are
     fla_backend.simple_gla(q, k, v, g, scale, None, None, False)
-    assert seen == [K]
+    with torch.no_grad():
+        fla_backend.simple_gla(q, k, v, g, scale, cu, None, False)
+    assert seen == [K, K]

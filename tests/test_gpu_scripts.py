@@ -64,7 +64,8 @@ def test_bench_refuses_unknown_variant():
 
 
 def test_mamba2_packed_probe_dry_run():
-    """The probe's cases run (on the reference kernels here) and report finite gradients close to float32."""
+    """The probe's cases run (on the reference kernels here) and pass: finite gradients close to float32 (a case
+    whose gradients are not exits 1 and is reported FAIL). Unknown case names are refused."""
     cases = "simple_gla packed K=16 V=32;Mamba2 layer packed;model packed, anomaly detection"
     env = {**ENV, "PROBE_DEVICE": "cpu", "PROBE_CASES": cases}
     proc = subprocess.run([sys.executable, "scripts/probe_mamba2_packed.py"], cwd=REPO, env=env,
@@ -73,3 +74,10 @@ def test_mamba2_packed_probe_dry_run():
     assert proc.stdout.count("\nOK") + proc.stdout.startswith("OK") == 3, proc.stdout
     assert "grads finite [True, True, True, True]" in proc.stdout
     assert "backward ran without NaN" in proc.stdout
+    bad = subprocess.run([sys.executable, "scripts/probe_mamba2_packed.py"], cwd=REPO, capture_output=True,
+                         text=True, env={**env, "PROBE_CASES": "no such case"}, timeout=120)
+    assert bad.returncode == 2 and "unknown cases" in bad.stderr
+    strict = subprocess.run([sys.executable, "scripts/probe_mamba2_packed.py"], cwd=REPO, capture_output=True,
+                            text=True, env={**env, "PROBE_CASES": "simple_gla packed K=16 V=32", "PROBE_TOL": "1e-9"},
+                            timeout=120)
+    assert strict.returncode == 1 and strict.stdout.startswith("FAIL"), strict.stdout  # bf16 is not that close

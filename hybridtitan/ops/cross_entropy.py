@@ -112,23 +112,27 @@ def _accumulate(grad_hidden, grad_weight, probs, h, weight, start: int) -> None:
         grad_weight.add_(probs.t() @ h)  # a bf16 product (fp32 accumulation inside), then added in fp32
 
 
-_GEMM_FP32_OUT: dict[str, bool] = {}
-
-
 def _add_in_gemm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
     """acc += a @ b for low-precision a, b and a float32 acc, in the GEMM itself (beta = 1, float32 output):
-    no low-precision [V, D] product written, read back and added (8.5 ms of a 304 ms step on the H200). Where
-    the backend lacks this (CPU; the first failure is remembered per device type), returns False."""
-    kind = acc.device.type
-    if not _GEMM_FP32_OUT.get(kind, kind != "cpu"):
+    no low-precision [V, D] product written, read back and added (8.5 ms of a 304 ms step on the H200).
+    Returns False, doing nothing, where the backend lacks such a GEMM (CPU)."""
+    if not _fp32_out_gemm_supported(acc.device.type, a.dtype):
         return False
-    try:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    except (RuntimeError, NotImplementedError, TypeError):
-        _GEMM_FP32_OUT[kind] = False
-        return False
-    _GEMM_FP32_OUT[kind] = True
+    torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     return True
+
+
+@functools.cache
+def _fp32_out_gemm_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Tried once per device type and input dtype on 2 x 2 matrices (an error on real data, such as running out
+    of memory, must not be mistaken for missing support); checks that the sum lands in the accumulator."""
+    try:
+        ones = torch.ones(2, 2, dtype=dtype, device=device_type)
+        acc = torch.ones(2, 2, dtype=torch.float32, device=device_type)
+        torch.addmm(acc, ones, ones, out_dtype=torch.float32, out=acc)
+        return bool((acc == 3).all())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
 
 
 def linear_cross_entropy(

@@ -53,8 +53,9 @@ def kda(*args):
 
 # FLA 0.6.0's chunked simple-GLA backward with packed documents (cu_seqlens) faults in chunk_bwd_dqkwg (an
 # illegal memory access) or returns a wrong gate gradient when the key head dim is 16 (debug_mamba2's d_state);
-# with 64 it is right (H200, scripts/probe_mamba2_packed.py). Zero key columns add nothing to q k^T, to the
-# state's other rows or to any gradient, so smaller key dims are padded to this there.
+# with 64 it is right, and the forward pass is right at 16 (H200, scripts/probe_mamba2_packed.py). Zero key
+# columns add nothing to q k^T, to the state's other rows or to any gradient, so when a backward pass will follow,
+# smaller key dims are padded to this.
 PACKED_MIN_KEY_DIM = 64
 
 
@@ -62,7 +63,8 @@ def simple_gla(q, k, v, g, scale, cu_seqlens, initial_state, output_final_state)
     decoding = _decoding(q)
     fn = fused_recurrent_simple_gla if decoding else chunk_simple_gla
     key_dim = q.shape[-1]
-    pad = PACKED_MIN_KEY_DIM - key_dim if cu_seqlens is not None and not decoding else 0
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g))
+    pad = PACKED_MIN_KEY_DIM - key_dim if cu_seqlens is not None and backward else 0
     if pad > 0:
         scale = key_dim ** -0.5 if scale is None else scale  # FLA's default would see the padded width
         q, k = torch.nn.functional.pad(q, (0, pad)), torch.nn.functional.pad(k, (0, pad))
@@ -71,7 +73,7 @@ def simple_gla(q, k, v, g, scale, cu_seqlens, initial_state, output_final_state)
     o, state = fn(q=q, k=k, v=v, g=g, scale=scale, initial_state=initial_state,
                   output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     if pad > 0 and state is not None:
-        state = state[..., :key_dim, :]
+        state = state[..., :key_dim, :].contiguous()
     return o, state
 
 
