@@ -230,15 +230,10 @@ def op_cases(sh: Shapes, device: torch.device):
         return {k: v.to(bf16) for k, v in t.items()}, {}
     add("rms_norm", "dense B=2", make_rms, lambda x, weight: ops.rms_norm(x, weight, 1e-6))
 
-    def make_swiglu(gen, D=4096):
-        t = {"gate": _randn(gen, sh.B, sh.T, D, device=device), "up": _randn(gen, sh.B, sh.T, D, device=device)}
-        return {k: v.to(bf16) for k, v in t.items()}, {}
-    add("swiglu", "dense B=2", make_swiglu, lambda gate, up: ops.swiglu(gate, up))
-
     def make_swiglu_linear(gen, D=4096, dim=1024):
-        t, _ = make_swiglu(gen, D)
-        t["weight"] = _randn(gen, dim, D, device=device, scale=D ** -0.5).to(bf16)
-        return t, {}
+        t = {"gate": _randn(gen, sh.B, sh.T, D, device=device), "up": _randn(gen, sh.B, sh.T, D, device=device),
+             "weight": _randn(gen, dim, D, device=device, scale=D ** -0.5)}
+        return {k: v.to(bf16) for k, v in t.items()}, {}
     add("swiglu_linear (MLP)", "dense B=2", make_swiglu_linear,
         lambda gate, up, weight: ops.swiglu_linear(gate, up, weight))
 

@@ -56,6 +56,7 @@ def _report(name, fn, inputs):
     """fn(*inputs) -> output; forward + backward on the fast path and on the reference kernels in float32; prints
     whether every gradient is finite and its relative error."""
     import torch
+    from _gpu_common import rel_err
 
     from hybridtitan import ops
 
@@ -71,9 +72,9 @@ def _report(name, fn, inputs):
 
     out, grads = run(torch.bfloat16, False)
     ref, ref_grads = run(torch.float32, True)
-    errs = [((g - r).norm() / r.norm()).item() for g, r in zip(grads, ref_grads) if g is not None]
+    errs = [rel_err(g, r) for g, r in zip(grads, ref_grads) if g is not None]
     finite = [bool(torch.isfinite(g).all()) for g in grads if g is not None]
-    print(f"RESULT {name}: out err {((out - ref).norm() / ref.norm()).item():.2e}; grads finite {finite}; "
+    print(f"RESULT {name}: out err {rel_err(out, ref):.2e}; grads finite {finite}; "
           f"grad errs {[f'{e:.1e}' for e in errs]}", flush=True)
     if not all(finite) or max(errs) > TOL:  # the process exits 1: the case is reported as FAIL
         raise SystemExit(f"gradients not finite or off by more than {TOL:g}")

@@ -19,7 +19,7 @@ from .cross_entropy import compile_chunks as compile_loss
 from .cross_entropy import linear_cross_entropy
 
 __all__ = [
-    "gated_delta_rule", "kda", "simple_gla", "causal_conv1d", "rms_norm", "gated_rms_norm", "swiglu",
+    "gated_delta_rule", "kda", "simple_gla", "causal_conv1d", "rms_norm", "gated_rms_norm",
     "swiglu_linear", "attention", "linear_cross_entropy", "compile_loss", "use_reference_kernels", "backend_for",
 ]
 
@@ -106,13 +106,6 @@ def gated_rms_norm(x, gate, weight, eps, activation="swish", norm_before_gate=Tr
     if backend_for(x) == "fla":
         return _fla().gated_rms_norm(x, gate, weight, eps, activation, norm_before_gate, group_size)
     return reference.gated_rms_norm(x, gate, weight, eps, activation, norm_before_gate, group_size)
-
-
-def swiglu(gate, up):
-    """silu(gate) * up."""
-    if backend_for(gate) == "fla":
-        return _fla().swiglu(gate, up)
-    return F.silu(gate) * up
 
 
 def swiglu_linear(gate, up, weight):

@@ -6,7 +6,6 @@ Each function has the signature of its PyTorch twin in ``reference.py`` (through
 from __future__ import annotations
 
 import torch
-from fla.modules.activations import swiglu as _fla_swiglu
 from fla.modules.activations import swiglu_linear as _fla_swiglu_linear
 from fla.modules.convolution import causal_conv1d as _fla_causal_conv1d
 from fla.modules.fused_norm_gate import rms_norm_gated as _fla_rms_norm_gated
@@ -95,10 +94,6 @@ def gated_rms_norm(x, gate, weight, eps, activation, norm_before_gate, group_siz
         raise ValueError("the grouped gated RMSNorm supports the swish gate only")
     return _fla_group_rmsnorm(x, weight, None, z=gate, eps=eps, group_size=group_size,
                               norm_before_gate=norm_before_gate)
-
-
-def swiglu(gate, up):
-    return _fla_swiglu(gate, up)
 
 
 def swiglu_linear(gate, up, weight):
