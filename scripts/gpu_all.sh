@@ -31,7 +31,9 @@ if [[ $parts == *check* ]]; then
     --json "$OUT/gpu_check_e2e.json" 2>&1 | tee "$OUT/gpu_check_e2e.log" | grep -v "Warning\|warn" | tail -30
 fi
 if [[ $parts == *record* ]]; then
-  # RECORD_ARGS, e.g. "--flavors debug_kda,kda_300M,zebra_mamba2_300M" to record only some flavors
+  # RECORD_ARGS, e.g. "--flavors debug_kda,kda_300M,zebra_mamba2_300M" to record only some flavors; they are
+  # merged into a copy of the repository's manifest, which comes back whole in $OUT
+  cp tests/assets/triton_kernels.json "$OUT/triton_kernels.json"
   timeout "${RECORD_S:-420}" python scripts/record_triton_manifest.py --jobs 8 --timeout $((${RECORD_S:-420} - 30)) \
     --out "$OUT/triton_kernels.json" ${RECORD_ARGS:-} 2>&1 | tee "$OUT/record.log" | tail -25
 fi

@@ -8,9 +8,9 @@ sequence 2048, batch 1, torch.compile off so that every Triton kernel is FLA's a
 fresh process under ``hybridtitan.tools.triton_recorder.record_triton_kernels``: a kernel compiled earlier in
 a process is never compiled again, so it would not be seen. Up to ``--jobs`` recordings run at once (the first
 step autotunes, which is mostly compilation on the CPU). The records are merged (deduplicated by id) into
-``--out`` with the device, the versions and what was recorded, rewritten after each recording (a run cut short
-keeps what it recorded). Exit 1 if a recording failed or saw a compile it could not record; exit 2 on a
-machine without a GPU (nothing would be recorded).
+``--out``, on top of what it already holds, with the device, the versions and what was recorded, rewritten
+after each recording (a run cut short keeps what it recorded). Exit 1 if a recording failed or saw a compile it
+could not record; exit 2 on a machine without a GPU (nothing would be recorded).
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 DEFAULT_FLAVORS = ("debug_gdn,debug_kda,debug_mamba2,debug_hybrid,"
                    "gdn_300M,kda_300M,zebra_gdn_300M,zebra_mamba2_300M")
+# the fields a merge writes itself (save_manifest's and this script's); the others of an existing --out are kept
+MANIFEST_OWN_FIELDS = ("format", "triton", "fla", "fla_core", "torch", "device", "source", "recorded", "failed",
+                       "skipped", "kernels")
 
 
 def record_one(flavor: str, boundaries: str, out: str, workdir: str) -> int:
@@ -44,12 +47,14 @@ def record_one(flavor: str, boundaries: str, out: str, workdir: str) -> int:
     return 1 if rec.skipped else 0
 
 
-def merge(out: str, workdir: str, done: dict) -> tuple[dict | None, list[str], list[str]]:
+def merge(out: str, workdir: str, done: dict, base: dict | None = None) -> tuple[dict | None, list[str], list[str]]:
     """Merge the recordings finished so far into ``out`` (rewritten after each one, so a run cut short keeps
-    what it recorded). Returns (manifest or None, failed recordings, skipped compiles)."""
+    what it recorded), on top of ``base`` (what ``out`` held when the run started: its records, its list of
+    recordings and its other fields stay; a record recorded again replaces its old copy). Returns (manifest or
+    None, failed recordings, skipped compiles)."""
     from hybridtitan.tools.triton_recorder import load_manifest, save_manifest
 
-    parts, recorded, skipped = [], [], []
+    parts, recorded, skipped = [], list(base["recorded"]) if base else [], []
     for flavor, b in done:
         path = os.path.join(workdir, f"{flavor}_{b}.json")
         if os.path.exists(path):
@@ -61,11 +66,13 @@ def merge(out: str, workdir: str, done: dict) -> tuple[dict | None, list[str], l
     if not parts:
         return None, failed, skipped
     records = [{"origin": m["device"], **r} for m in parts for r in m["kernels"]]  # where each was recorded
+    kept = {k: v for k, v in (base or {}).items() if k not in MANIFEST_OWN_FIELDS}  # e.g. "supplemented"
+    # the new records first: of two with one id, save_manifest keeps the first
     manifest = save_manifest(
-        out, records, device=parts[0]["device"],
+        out, records + (base["kernels"] if base else []), device=parts[0]["device"], **kept,
         source="recorded by scripts/record_triton_manifest.py: one training step per flavor (sequence 2048, "
                "batch 1, torch.compile off), each in a fresh process under record_triton_kernels()",
-        recorded=sorted(recorded), **({"failed": failed} if failed else {}),
+        recorded=sorted(set(recorded)), **({"failed": failed} if failed else {}),
         **({"skipped": skipped} if skipped else {}))
     return manifest, failed, skipped
 
@@ -91,6 +98,9 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     os.makedirs(args.workdir, exist_ok=True)
+    from hybridtitan.tools.triton_recorder import load_manifest
+
+    base = load_manifest(args.out) if os.path.exists(args.out) else None  # merged into, not overwritten
     todo = [(f, b) for f in args.flavors.split(",") if f for b in args.boundaries.split(",") if b]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     running: list[tuple] = []
@@ -121,7 +131,7 @@ def main(argv=None) -> int:
                 if proc.returncode:
                     with open(log.name) as f:
                         print("    " + "    ".join(f.readlines()[-5:]), flush=True)
-                manifest, failed, skipped = merge(args.out, args.workdir, done)
+                manifest, failed, skipped = merge(args.out, args.workdir, done, base)
 
     if manifest is None:
         print("no recording succeeded", file=sys.stderr)

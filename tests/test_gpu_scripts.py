@@ -81,3 +81,29 @@ def test_mamba2_packed_probe_dry_run():
                             text=True, env={**env, "PROBE_CASES": "simple_gla packed K=16 V=32", "PROBE_TOL": "1e-9"},
                             timeout=120)
     assert strict.returncode == 1 and strict.stdout.startswith("FAIL"), strict.stdout  # bf16 is not that close
+
+
+def test_manifest_recorder_merges_into_the_existing_manifest(tmp_path):
+    """A run that records some flavors adds them to --out instead of overwriting it: earlier records, the list
+    of recordings and other fields stay; a record seen again replaces its old copy."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from record_triton_manifest import merge
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    from hybridtitan.tools.triton_recorder import load_manifest, save_manifest
+
+    def record(i, **extra):
+        return {"id": f"id{i}", "kernel": f"mod:k{i}", **extra}
+
+    out, work = tmp_path / "manifest.json", tmp_path / "work"
+    work.mkdir()
+    save_manifest(out, [record(1, origin="H200"), record(2, origin="cpu dry run")], device="H200",
+                  recorded=["a, document_boundaries false"], supplemented="two old records")
+    save_manifest(work / "b_true.json", [record(2), record(3)], device="H200", recorded="b, document_boundaries true")
+    manifest, failed, skipped = merge(str(out), str(work), {("b", "true"): 0}, load_manifest(out))
+    assert (failed, skipped) == ([], [])
+    assert load_manifest(out) == manifest
+    assert {r["id"]: r["origin"] for r in manifest["kernels"]} == {"id1": "H200", "id2": "H200", "id3": "H200"}
+    assert manifest["recorded"] == ["a, document_boundaries false", "b, document_boundaries true"]
+    assert manifest["supplemented"] == "two old records"
