@@ -378,8 +378,8 @@ def validate(cfg, check_data: bool = True) -> None:
     if unknown:
         raise ConfigError(f"checkpoint.exclude_from_loading: unknown part(s) {', '.join(sorted(unknown))}; allowed: "
                           "optimizer, lr_scheduler, dataloader, train_state")
-    if set(cfg.compile.components) - {"model", "loss"}:
-        raise ConfigError(f"compile.components must name model and/or loss, got {cfg.compile.components}")
+    if set(cfg.compile.components) - {"model", "loss", "norm"}:
+        raise ConfigError(f"compile.components must name some of model, loss and norm, got {cfg.compile.components}")
     if cfg.activation_checkpoint.mode not in ("none", "selective", "full"):
         raise ConfigError("activation_checkpoint.mode must be none, selective or full")
     option = cfg.activation_checkpoint.selective_ac_option

@@ -59,8 +59,11 @@ def describe(cfg) -> dict:
     act_bytes = act * tokens * on_gpu_bytes + tokens * args.dim * 4
     # one chunk of 16-bit logits and their gradient, plus a float32 copy when the chunk's softmax runs eagerly
     loss_bytes = min(tokens, t.loss_chunk_size) * args.vocab_size * (4 if compiles(cfg, "loss") else 8)
-    # fp32 parameters, gradients and two AdamW moments, sharded; a gathered bf16 copy of the largest sublayer
-    states = counts["total"] * 16 / shard
+    # fp32 parameters, gradients and two AdamW moments, sharded; where nothing reshards after the forward pass
+    # (one shard with the default policy, or "never"), the gathered 16-bit copy of every parameter too
+    policy = cfg.parallelism.fsdp_reshard_after_forward
+    kept_gathered = policy == "never" or (policy == "default" and shard == 1)
+    states = counts["total"] * 16 / shard + (counts["total"] * on_gpu_bytes if kept_gathered else 0)
     layers = [
         {"index": i, "kind": kind, "symbol": args.pattern[i],
          "params": sum(sublayer_params(args, kind).values()), "flops_per_token": sublayer_flops(args, kind, t.seq_len)}
@@ -76,7 +79,8 @@ def describe(cfg) -> dict:
         "memory_estimate_gib": {
             "params_grads_optimizer": states / GIB, "activations": act_bytes / GIB, "loss_chunk": loss_bytes / GIB,
             "total": (states + act_bytes + loss_bytes) / GIB,
-            "assumes": f"fp32 master weights, gradients and AdamW moments sharded over {shard} rank(s); "
+            "assumes": f"fp32 master weights, gradients and AdamW moments sharded over {shard} rank(s)"
+                       f"{', the gathered parameters kept from forward to backward' if kept_gathered else ''}; "
                        f"{8 * on_gpu_bytes}-bit activations, activation checkpointing '{ac}'",
         },
     }

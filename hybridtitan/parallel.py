@@ -67,19 +67,30 @@ def apply_compile(model: nn.Module) -> None:
         layer.compile()
 
 
+def reshard_after_forward_for(policy: str, index: int | None, n_layers: int, shard_degree: int) -> bool:
+    """Whether a sublayer (``index``; None: the root) frees its gathered parameters after the forward pass.
+
+    'always' / 'never' as said. 'default': every sublayer but the last, whose parameters the backward pass needs
+    again at once; the root keeps them. Over a shard degree of 1 nothing is freed: each rank holds every
+    parameter anyway, and gathering them again for the backward costs a copy and a collective per sublayer for
+    2 bytes of bf16 per parameter saved (0.6 GB for a 300M model)."""
+    if policy not in ("default", "always", "never"):
+        raise ValueError(f"parallelism.fsdp_reshard_after_forward must be default, always or never, got {policy!r}")
+    if policy != "default":
+        return policy == "always"
+    return shard_degree > 1 and index is not None and index < n_layers - 1
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                reshard_after_forward: str = "default") -> None:
     """fully_shard every sublayer, then the root (embedding, final norm and the tied output layer together)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    n = len(model.layers)
+    n, shard_degree = len(model.layers), mesh.size(mesh.ndim - 1)
     for i, layer in enumerate(model.layers):
-        if reshard_after_forward == "default":
-            # the last sublayer's parameters are needed again at once by the backward: keep them gathered
-            reshard = i < n - 1
-        else:
-            reshard = reshard_after_forward == "always"
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward == "always")
+        fully_shard(layer, mesh=mesh, mp_policy=mp,
+                    reshard_after_forward=reshard_after_forward_for(reshard_after_forward, i, n, shard_degree))
+    fully_shard(model, mesh=mesh, mp_policy=mp,
+                reshard_after_forward=reshard_after_forward_for(reshard_after_forward, None, n, shard_degree))
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, ac_mode: str, ac_every: int, compile_model: bool,

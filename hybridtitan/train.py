@@ -226,13 +226,13 @@ def train(cfg, plan: Plan) -> dict:
     if not on_gpu and cfg.training.mixed_precision_param != "float32":
         logger.info("CPU: parameters and activations in float32 (training.mixed_precision_param applies to GPUs)")
     if on_gpu and args.mixer == "mamba2" and cfg.data.document_boundaries:
-        from hybridtitan.ops.fla_backend import PACKED_MIN_KEY_DIM
+        from hybridtitan.ops.fla_backend import PACKED_MIN_HEAD_DIM
 
-        if args.mamba2.d_state < PACKED_MIN_KEY_DIM:
-            logger.warning("Mamba2 with d_state %d and packed documents: FLA's packed simple-GLA backward was wrong "
-                           "at key dim 16 on an H200, so states below %d are padded (hybridtitan.ops.fla_backend); "
-                           "that padded path was checked on CPU, not yet on a GPU (docs/benchmarks.md)",
-                           args.mamba2.d_state, PACKED_MIN_KEY_DIM)
+        if min(args.mamba2.d_state, args.mamba2.head_dim) < PACKED_MIN_HEAD_DIM:
+            logger.warning("Mamba2 with d_state %d, head_dim %d and packed documents: FLA's packed simple-GLA "
+                           "backward faulted or was wrong below %d on an H200, so smaller dims are padded to it "
+                           "(hybridtitan.ops.fla_backend; docs/benchmarks.md says what was checked on the GPU)",
+                           args.mamba2.d_state, args.mamba2.head_dim, PACKED_MIN_HEAD_DIM)
     model = build_parallel_model(args, mesh, device, ac_mode=cfg.activation_checkpoint.mode,
                                  ac_every=selective_ac_interval(cfg),
                                  compile_model=compiles(cfg, "model"),
@@ -240,6 +240,8 @@ def train(cfg, plan: Plan) -> dict:
                                  reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward)
     if compiles(cfg, "loss"):
         ops.compile_loss(True)  # the elementwise part of each cross-entropy chunk, fused
+    if compiles(cfg, "norm"):
+        ops.compile_norms(True)  # RMSNorm and the residual add before it
 
     optimizer = build_optimizer(model, cfg, device.type)
     lr_scheduler = build_lr_scheduler(optimizer, cfg)

@@ -58,9 +58,15 @@ DATASHEET_FLOPS = 989e12
 MODELS = "gdn_300M,kda_300M,zebra_gdn_300M,zebra_mamba2_300M,gdn_1B"
 FLA_MODELS = "gdn_300M,kda_300M"
 # hybridtitan's variants: what torch.compile covers. "hybridtitan" is what the recipes run (compile.components =
-# ["loss"]: the cross-entropy chunks fused, the sublayers eager); -eager compiles nothing; -compiled also compiles
-# every sublayer (compile.components = ["model", "loss"]).
-OURS = {"hybridtitan": ("loss",), "hybridtitan-eager": (), "hybridtitan-compiled": ("model", "loss")}
+# ["loss", "norm"]: the cross-entropy chunks and the RMSNorms with their residual adds fused, the rest eager);
+# -fla-norm leaves the norms to FLA's kernel (["loss"]); -eager compiles nothing; -compiled also compiles every
+# sublayer whole (["model", "loss", "norm"]).
+OURS = {"hybridtitan": ("loss", "norm"), "hybridtitan-fla-norm": ("loss",), "hybridtitan-eager": (),
+        "hybridtitan-compiled": ("model", "loss", "norm"), "hybridtitan-r3": ("loss",)}
+# hybridtitan as it was measured in docs/benchmarks.md's third measurement, for a before / after in one run: the
+# residual add as its own pass before each norm (FLA's norm kernel), and every sublayer but the last resharding
+# after the forward pass whatever the shard degree
+PREVIOUS = {"hybridtitan-r3"}
 IMPLS = (*OURS, "fla-ce", "fla-flce")
 DEFAULT_IMPLS = "hybridtitan,fla-ce,fla-flce"
 LADDER = (32, 24, 16, 12, 8, 6, 4, 2, 1)
@@ -184,23 +190,50 @@ def model_args_for(name: str, tiny: bool):
     return get_flavor(TINY_FLAVOR.get(name, name) if tiny else name)
 
 
+@contextlib.contextmanager
+def previous_version(impl: str):
+    """Within this block the model and its wrapping behave as in PREVIOUS (nothing changes for other impls)."""
+    if impl not in PREVIOUS:
+        yield
+        return
+    from hybridtitan import ops, parallel
+
+    saved = ops.add_rms_norm, parallel.reshard_after_forward_for
+
+    def unfused_add_rms_norm(x, residual, weight, eps):
+        total = x + residual
+        return ops.rms_norm(total, weight, eps), total
+
+    def reshard_all_but_last(policy, index, n_layers, shard_degree):
+        return index is not None and index < n_layers - 1
+
+    ops.add_rms_norm, parallel.reshard_after_forward_for = unfused_add_rms_norm, reshard_all_but_last
+    try:
+        yield
+    finally:
+        ops.add_rms_norm, parallel.reshard_after_forward_for = saved
+
+
 def build_ours(margs, mesh, device, param_dtype, ac: str, compiled: tuple[str, ...]):
     """Exactly as the trainer builds it (hybridtitan.train.build_parallel_model), with torch.compile on the
     components named as in the trainer's compile.components ("model": each sublayer, "loss": the cross-entropy
-    chunks)."""
+    chunks, "norm": the RMSNorms with their residual adds)."""
     from hybridtitan import ops
     from hybridtitan.train import build_parallel_model
 
     ops.compile_loss("loss" in compiled)
+    ops.compile_norms("norm" in compiled)
     return build_parallel_model(margs, mesh, device, ac_mode=ac, compile_model="model" in compiled,
                                 param_dtype=param_dtype)
 
 
 def build_fla(margs, impl: str, mesh, device, param_dtype, ac: str):
-    """FLA's ForCausalLM of the same configuration, fully_shard per block then the root (the same choice of
-    reshard-after-forward as apply_fsdp's default: all but the last block reshard, the root does not)."""
+    """FLA's ForCausalLM of the same configuration, fully_shard per block then the root, with the same choice of
+    reshard-after-forward as apply_fsdp's default (hybridtitan.parallel.reshard_after_forward_for)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from hybridtitan.parallel import reshard_after_forward_for
 
     config = fla_config(margs, loss="plain" if impl == "fla-ce" else "linear")
     with torch.device(device):
@@ -211,9 +244,12 @@ def build_fla(margs, impl: str, mesh, device, param_dtype, ac: str):
             layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                            preserve_rng_state=False)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    n, shard_degree = len(layers), mesh.size(mesh.ndim - 1)
     for i, block in enumerate(layers):
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(block, mesh=mesh, mp_policy=mp,
+                    reshard_after_forward=reshard_after_forward_for("default", i, n, shard_degree))
+    fully_shard(model, mesh=mesh, mp_policy=mp,
+                reshard_after_forward=reshard_after_forward_for("default", None, n, shard_degree))
     model.train()
     return model
 
@@ -254,6 +290,7 @@ def run_case(args, mesh, device, name: str, impl: str, batch: int, info: dict) -
     on_gpu = device.type == "cuda"
     param_dtype = torch.bfloat16 if on_gpu else torch.float32  # the trainer's choice on a CPU
     t_build = time.perf_counter()
+    torch.manual_seed(args.seed)  # the same initial weights for every case of a model: comparable step-1 losses
     if impl in OURS:
         model = build_ours(margs, mesh, device, param_dtype, args.ac, OURS[impl])
     else:
@@ -365,7 +402,8 @@ def run_with_retry(args, mesh, device, name: str, impl: str, info: dict) -> dict
     for batch in ladder:
         error = None
         try:
-            row = run_case(args, mesh, device, name, impl, batch, info)
+            with previous_version(impl):
+                row = run_case(args, mesh, device, name, impl, batch, info)
             if tried:
                 row["oom_at"] = tried
             return row
@@ -390,27 +428,21 @@ def run_with_retry(args, mesh, device, name: str, impl: str, info: dict) -> dict
 # ================================================================================================ CE micro-benchmark
 
 
-# The compiled chunk as the op had it before its last change (docs/benchmarks.md, H200 second measurement):
-# the target's -1 scattered into the gradient, each chunk's bf16 weight gradient added to the float32 sum
-# outside the GEMM. Measured beside the op's current path in the same run, through the op's chunk loop
-# (its chunk_fn and accumulate arguments).
+# A candidate for the compiled chunk, measured beside the op's path through the op's chunk loop (its chunk_fn
+# argument): Inductor's coordinate-descent search over the reduction kernel's block sizes and warps.
 
 @functools.cache
-def _previous_chunk_compiled():
-    from hybridtitan.ops.cross_entropy import _chunk_loss_and_grad
+def _tuned_chunk_compiled():
+    from hybridtitan.ops.cross_entropy import _chunk_loss_and_grad_fusable
 
-    return torch.compile(_chunk_loss_and_grad, dynamic=False)
-
-
-def _previous_accumulate(grad_hidden, grad_weight, probs, h, weight, start: int) -> None:
-    grad_hidden[start:start + probs.shape[0]] = probs @ weight
-    grad_weight.add_(probs.t() @ h)
+    return torch.compile(_chunk_loss_and_grad_fusable, dynamic=False, options={"coordinate_descent_tuning": True})
 
 
 def ce_bench(args, device) -> list[dict]:
-    """Forward + backward of the output layer's loss, [tokens, dim] x [vocab, dim] in bf16: the op's previous
-    compiled path (the first row, the yardstick of the others' gradients), ours eagerly and with the chunks
-    compiled (compile.components = ["loss"]), and FLA's fused linear cross-entropy."""
+    """Forward + backward of the output layer's loss, [tokens, dim] x [vocab, dim] in bf16: the op's compiled
+    path (compile.components = ["loss"]; the first row, the yardstick of the others' gradients), candidates for
+    it (coordinate-descent tuned chunks, chunks twice as long), ours eagerly, and FLA's fused linear
+    cross-entropy."""
     from hybridtitan import ops
 
     tiny = args.tiny
@@ -438,13 +470,16 @@ def ce_bench(args, device) -> list[dict]:
 
     from hybridtitan.ops.cross_entropy import _LinearCrossEntropy
 
-    def previous_compiled(h, w):
-        return _LinearCrossEntropy.apply(h, w, targets, -100, chunk, _previous_chunk_compiled(),
-                                         _previous_accumulate) / count
+    def tuned_compiled(h, w):
+        return _LinearCrossEntropy.apply(h, w, targets, -100, chunk, _tuned_chunk_compiled()) / count
 
-    impls = [("before: chunks compiled, scatter + bf16 weight grad added", previous_compiled),
-             ("hybridtitan ops.linear_cross_entropy, eager", ours),
-             ("hybridtitan, chunks compiled", ours_compiled), ("FLA FusedLinearCrossEntropyLoss", fla_flce)]
+    def long_chunks(h, w):
+        return ops.linear_cross_entropy(h, w, targets, chunk_size=2 * chunk, compiled=True)[0] / count
+
+    impls = [("hybridtitan, chunks compiled (the recipes')", ours_compiled),
+             ("candidate: chunks compiled, coordinate-descent tuned", tuned_compiled),
+             (f"candidate: chunks of {2 * chunk}, compiled", long_chunks),
+             ("hybridtitan ops.linear_cross_entropy, eager", ours), ("FLA FusedLinearCrossEntropyLoss", fla_flce)]
     rows, base = [], None
     flops = 6 * tokens * dim * vocab  # logits, grad of the hidden states, grad of the weight
     for label, fn in impls:
@@ -546,8 +581,9 @@ def settings_text(args, info: dict, device) -> str:
             f"block + root, {'bf16' if device.type == 'cuda' else 'float32'} params / float32 reduce, "
             f"AdamW(fused=True), seq {args.seq}, warm-up {args.warmup} + {args.steps} timed steps, activation "
             f"checkpointing {args.ac}; torch.compile: hybridtitan = the recipes' setting (the cross-entropy "
-            f"chunks compiled, the sublayers eager), -eager nothing, -compiled every sublayer and the "
-            f"cross-entropy chunks; FLA eager; {alloc}.\n"
+            f"chunks and the RMSNorms with their residual adds compiled, the rest eager), -fla-norm the chunks "
+            f"only, -eager nothing, -compiled every sublayer whole too; -r3 as measured before the fused residual "
+            f"adds; FLA eager; one shard, so no reshard after the forward pass (both); {alloc}.\n"
             f"Measured bf16 matmul ({args.matmul_size}^3): {info['matmul_flops'] / 1e12:.4g} TFLOP/s; MFU from "
             f"hybridtitan.models.flops (same count for FLA's model of the same configuration). fla-ce: FLA's "
             f"fused cross-entropy over the full logits; fla-flce: its fused linear cross-entropy; ours: the "

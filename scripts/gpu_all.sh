@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU issues ask for, on one GPU, each part time-boxed, logs in $OUT:
 #   bench   throughput against FLA's models and the anchors (bench_throughput.py, with a profile of gdn_300M),
-#   check   parity of every kernel and of FLA's HF classes with the PyTorch reference (gpu_check.py),
+#   check   parity of every kernel and of FLA's HF classes with the PyTorch reference (gpu_check.py), and the
+#           gated delta rule's gate gradients over seeds (probe_gate_grads.py),
 #   record  the Triton kernel manifest of one training step per debug and 300M flavor (ROCm compile check),
 #   train   zebra_gdn_300M on the shipped corpus with packed documents: 40 steps straight, and the same run
 #           resumed from its step-20 checkpoint; the losses of steps 21-40 compared.
@@ -29,6 +30,8 @@ if [[ $parts == *check* ]]; then
     | tee "$OUT/gpu_check.log" | grep -v "Warning\|warn" | tail -45
   CUDA_LAUNCH_BLOCKING=1 timeout "${CHECK_S:-240}" python scripts/gpu_check.py --only e2e --verbose \
     --json "$OUT/gpu_check_e2e.json" 2>&1 | tee "$OUT/gpu_check_e2e.log" | grep -v "Warning\|warn" | tail -30
+  # the gated delta rule's A_log / dt_bias gradients over seeds (the one op case near the bar)
+  timeout 120 python scripts/probe_gate_grads.py 2>&1 | tee "$OUT/probe_gate_grads.log" | grep -v "Warning\|warn"
 fi
 if [[ $parts == *record* ]]; then
   # RECORD_ARGS, e.g. "--flavors debug_kda,kda_300M,zebra_mamba2_300M" to record only some flavors; they are

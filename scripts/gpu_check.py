@@ -153,6 +153,15 @@ def _dt_bias(gen, n, device):
     return _seeded_init(gen, init_dt_bias, n, device)
 
 
+def _with_compiled_norms(fn, *args):
+    """fn(*args) with ops.compile_norms on (the autograd graph it records keeps the compiled backward)."""
+    ops.compile_norms(True)
+    try:
+        return fn(*args)
+    finally:
+        ops.compile_norms(False)
+
+
 def op_cases(sh: Shapes, device: torch.device):
     """(op, case, make_inputs(gen) -> (tensors dict, kwargs dict), call(**tensors, **kwargs) -> output,
     ref_call or None (None: the same call under ops.use_reference_kernels()))."""
@@ -181,7 +190,7 @@ def op_cases(sh: Shapes, device: torch.device):
                     q, k, v, a, b, A_log, dt_bias, cu_seqlens=cu_seqlens)[0])
 
     # --- simple GLA as Mamba2's SSD, scale 1, g = A * dt (float32): zebra_mamba2_300M's H=32, K=d_state=64,
-    # V=head_dim=64, and debug_mamba2's H=8, K=16, V=32 (packed, a key dim FLA gets wrong unpadded: fla_backend)
+    # V=head_dim=64, and debug_mamba2's H=8, K=16, V=32 (packed: head dims FLA's backward faults on unpadded, fla_backend)
     for op, (H, K, V) in (("simple_gla", (32, 64, 64)), ("simple_gla K=16 (debug_mamba2)", (8, 16, 32))):
         for case, B, c in layouts:
             def make(gen, B=B, c=c, H=H, K=K, V=V):
@@ -229,6 +238,20 @@ def op_cases(sh: Shapes, device: torch.device):
         t = {"x": _randn(gen, sh.B, sh.T, D, device=device), "weight": 1 + _randn(gen, D, device=device, scale=0.1)}
         return {k: v.to(bf16) for k, v in t.items()}, {}
     add("rms_norm", "dense B=2", make_rms, lambda x, weight: ops.rms_norm(x, weight, 1e-6))
+
+    def make_add_rms(gen, D=1024):
+        t, _ = make_rms(gen, D)
+        return {**t, "residual": _randn(gen, sh.B, sh.T, D, device=device).to(bf16)}, {}
+    # both outputs side by side, so that the backward gets the sum's own gradient too (the fused add's path)
+    add("add_rms_norm (residual add + norm)", "dense B=2", make_add_rms,
+        lambda x, residual, weight: torch.cat(ops.add_rms_norm(x, residual, weight, 1e-6), dim=-1))
+    # the same through torch.compile (compile.components = ["norm"], the GPU recipes' setting); the reference
+    # runs under use_reference_kernels(), which the switch does not reach
+    add("rms_norm compiled", "dense B=2", make_rms,
+        lambda x, weight: _with_compiled_norms(ops.rms_norm, x, weight, 1e-6))
+    add("add_rms_norm compiled", "dense B=2", make_add_rms,
+        lambda x, residual, weight: torch.cat(_with_compiled_norms(ops.add_rms_norm, x, residual, weight, 1e-6),
+                                              dim=-1))
 
     def make_swiglu_linear(gen, D=4096, dim=1024):
         t = {"gate": _randn(gen, sh.B, sh.T, D, device=device), "up": _randn(gen, sh.B, sh.T, D, device=device),

@@ -11,7 +11,8 @@ so one process per case names the culprit).
 PROBE_CASES: exact case names separated by ";" (default all); PROBE_CASE_S: seconds per case (default 150; a
 shape the Triton cache has not seen autotunes for minutes); PROBE_TOL: the relative gradient error above which a
 case fails (default 5e-2). What it found on the H200 (2026-11-30): FLA's
-packed simple-GLA backward at key dim 16 (docs/benchmarks.md), hence the padding in hybridtitan.ops.fla_backend.
+packed simple-GLA backward at key dim 16 (docs/benchmarks.md), hence the padding in hybridtitan.ops.fla_backend
+(since widened to value dims below 64 as well, after gpu_check's packed case at key 64 / value 32 faulted).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def _report(name, fn, inputs):
 
 
 def case_simple_gla(rows: int = 1, K: int = 16, V: int = 32, raw: bool = False):
-    """raw: FLA's chunk_simple_gla called directly, without hybridtitan.ops (which pads small key dims)."""
+    """raw: FLA's chunk_simple_gla called directly, without hybridtitan.ops (which pads small head dims)."""
     import torch
 
     from hybridtitan import ops

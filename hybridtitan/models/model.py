@@ -23,7 +23,12 @@ MIXER_CLASSES = {"gdn": GatedDeltaNet, "kda": KimiDeltaAttention, "mamba2": Mamb
 
 
 class Sublayer(nn.Module):
-    """x + f(RMSNorm(x)), f one of: MLA attention ('attention'), the mixer ('mixer'), SwiGLU ('mlp')."""
+    """x + f(RMSNorm(x)), f one of: MLA attention ('attention'), the mixer ('mixer'), SwiGLU ('mlp').
+
+    The residual add is done one sublayer late, inside the next norm's kernel: ``forward(x, delta)`` takes the
+    residual stream and the previous sublayer's output not yet added to it, and returns the stream with it added
+    and this sublayer's own output f(RMSNorm(x + delta)). The stack's result is the last pair's sum. That saves
+    a pass over the stream per sublayer, forward and backward (the add's gradient joins the norm's backward)."""
 
     def __init__(self, kind: str, args: ModelArgs):
         super().__init__()
@@ -43,8 +48,14 @@ class Sublayer(nn.Module):
     def body(self) -> nn.Module:
         return getattr(self, {"attention": "attn", "mixer": "mixer", "mlp": "mlp"}[self.kind])
 
-    def forward(self, x: torch.Tensor, cu_seqlens=None, cache=None, rows: int = 1) -> torch.Tensor:
-        return x + self.body(self.norm(x), cu_seqlens=cu_seqlens, cache=cache, rows=rows)
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None, cu_seqlens=None, cache=None,
+                rows: int = 1) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(x + delta, f(RMSNorm(x + delta))). Without a delta (the first sublayer): (None, f(RMSNorm(x))), the
+        stream being x unchanged (handing back the input itself would, through FSDP2's hooks, return a view of it)."""
+        if delta is None:
+            return None, self.body(self.norm(x), cu_seqlens=cu_seqlens, cache=cache, rows=rows)
+        normed, x = self.norm(x, residual=delta)
+        return x, self.body(normed, cu_seqlens=cu_seqlens, cache=cache, rows=rows)
 
 
 class InferenceCache:
@@ -80,15 +91,18 @@ class HybridLM(nn.Module):
         """Final-normed hidden states [B, T, D]. With ``cu_seqlens`` (boundaries over the B * T tokens, rows
         included), documents are isolated: no state or attention crosses a boundary."""
         B, T = input_ids.shape
-        h = self.embeddings(input_ids)
+        h, delta = self.embeddings(input_ids), None
         rows = 1
         if cu_seqlens is not None:
             cu_seqlens = cu_seqlens.long()  # once per forward: the kernels index with it (loaders give int32)
             if B > 1:
                 h, rows = h.reshape(1, B * T, -1), B
         for i, layer in enumerate(self.layers):
-            h = layer(h, cu_seqlens=cu_seqlens, cache=cache.layer(i) if cache is not None else None, rows=rows)
-        return self.norm(h).view(B, T, -1)
+            stream, delta = layer(h, delta, cu_seqlens=cu_seqlens,
+                                  cache=cache.layer(i) if cache is not None else None, rows=rows)
+            h = h if stream is None else stream
+        out = self.norm(h) if delta is None else self.norm(h, residual=delta)[0]
+        return out.view(B, T, -1)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, cu_seqlens=None,
                 cache: InferenceCache | None = None, ignore_index: int = -100,

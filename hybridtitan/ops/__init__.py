@@ -19,11 +19,13 @@ from .cross_entropy import compile_chunks as compile_loss
 from .cross_entropy import linear_cross_entropy
 
 __all__ = [
-    "gated_delta_rule", "kda", "simple_gla", "causal_conv1d", "rms_norm", "gated_rms_norm",
-    "swiglu_linear", "attention", "linear_cross_entropy", "compile_loss", "use_reference_kernels", "backend_for",
+    "gated_delta_rule", "kda", "simple_gla", "causal_conv1d", "rms_norm", "add_rms_norm", "gated_rms_norm",
+    "swiglu_linear", "attention", "linear_cross_entropy", "compile_loss", "compile_norms", "use_reference_kernels",
+    "backend_for",
 ]
 
 _FORCE_REFERENCE = False
+_COMPILED_NORMS = False
 
 # KDA's reference computes the per-channel decay between every pair of positions of a chunk: with chunks of 16
 # that costs 16 x the key tensor, and stays exact however strong the decay (no exp(+gamma) is ever formed).
@@ -96,10 +98,41 @@ def causal_conv1d(x, weight, bias=None, activation="silu", cu_seqlens=None, init
     return reference.causal_conv1d(x, weight, bias, activation, cu_seqlens, initial_state, output_final_state)
 
 
+def compile_norms(enable: bool = True) -> None:
+    """RMSNorm, and the residual add fused with it, through torch.compile on every device (the trainer's
+    compile.components = ["norm"]) instead of FLA's kernel on GPUs / the eager reference elsewhere. Inductor's
+    backward reads and writes each [tokens, dim] tensor at close to the memory's speed; FLA 0.6.0's row kernel
+    ran at ~0.9 TB/s on an H200 (docs/benchmarks.md)."""
+    global _COMPILED_NORMS
+    _COMPILED_NORMS = enable
+
+
+def _add_rms_norm_eager(x, residual, weight, eps):
+    total = x + residual
+    return reference.rms_norm(total, weight, eps), total
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn)
+
+
 def rms_norm(x, weight, eps):
+    if _COMPILED_NORMS and not _FORCE_REFERENCE:
+        return _compiled(reference.rms_norm)(x, weight, eps)
     if backend_for(x) == "fla":
         return _fla().rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x, residual, weight, eps):
+    """(rms_norm(x + residual), x + residual): a pre-norm block's residual add and the next norm in one kernel
+    (forward and backward), instead of a separate pass over the residual stream for the add."""
+    if _COMPILED_NORMS and not _FORCE_REFERENCE:
+        return _compiled(_add_rms_norm_eager)(x, residual, weight, eps)
+    if backend_for(x) == "fla":
+        return _fla().add_rms_norm(x, residual, weight, eps)
+    return _add_rms_norm_eager(x, residual, weight, eps)
 
 
 def gated_rms_norm(x, gate, weight, eps, activation="swish", norm_before_gate=True, group_size=None):

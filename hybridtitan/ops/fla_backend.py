@@ -6,6 +6,7 @@ Each function has the signature of its PyTorch twin in ``reference.py`` (through
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from fla.modules.activations import swiglu_linear as _fla_swiglu_linear
 from fla.modules.convolution import causal_conv1d as _fla_causal_conv1d
 from fla.modules.fused_norm_gate import rms_norm_gated as _fla_rms_norm_gated
@@ -50,29 +51,37 @@ def kda(*args):
     return _delta_rule(chunk_kda, fused_recurrent_kda, *args)
 
 
-# FLA 0.6.0's chunked simple-GLA backward with packed documents (cu_seqlens) faults in chunk_bwd_dqkwg (an
-# illegal memory access) or returns a wrong gate gradient when the key head dim is 16 (debug_mamba2's d_state);
-# with 64 it is right, and the forward pass is right at 16 (H200, scripts/probe_mamba2_packed.py). Zero key
-# columns add nothing to q k^T, to the state's other rows or to any gradient, so when a backward pass will follow,
-# smaller key dims are padded to this.
-PACKED_MIN_KEY_DIM = 64
+# FLA 0.6.0's chunked simple-GLA backward with packed documents (cu_seqlens) is only trusted at head dims of at
+# least 64. On an H200 (scripts/probe_mamba2_packed.py, scripts/gpu_check.py): at key dim 16 (debug_mamba2's
+# d_state) it faults in chunk_bwd_dqkwg (an illegal memory access) or returns a wrong gate gradient; at key dim 64
+# and value dim 32 (debug_mamba2's head dim) the op check over four documents of 2,048 tokens faulted too; at 64 and
+# 64 every packed check passed, and dense batches are right at 16 and 32. Zero columns of q and k add nothing to
+# q k^T, to the state's other rows or to any gradient; zero columns of v give zero output columns and state
+# columns, which are cut off. So when a backward pass will follow, smaller head dims are padded to this.
+PACKED_MIN_HEAD_DIM = 64
 
 
 def simple_gla(q, k, v, g, scale, cu_seqlens, initial_state, output_final_state):
     decoding = _decoding(q)
     fn = fused_recurrent_simple_gla if decoding else chunk_simple_gla
-    key_dim = q.shape[-1]
+    key_dim, value_dim = q.shape[-1], v.shape[-1]
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g))
-    pad = PACKED_MIN_KEY_DIM - key_dim if cu_seqlens is not None and backward else 0
-    if pad > 0:
+    padding = cu_seqlens is not None and backward
+    pad_k = max(PACKED_MIN_HEAD_DIM - key_dim, 0) if padding else 0
+    pad_v = max(PACKED_MIN_HEAD_DIM - value_dim, 0) if padding else 0
+    if pad_k:
         scale = key_dim ** -0.5 if scale is None else scale  # FLA's default would see the padded width
-        q, k = torch.nn.functional.pad(q, (0, pad)), torch.nn.functional.pad(k, (0, pad))
-        if initial_state is not None:  # [N, H, K, V]
-            initial_state = torch.nn.functional.pad(initial_state, (0, 0, 0, pad))
+        q, k = F.pad(q, (0, pad_k)), F.pad(k, (0, pad_k))
+    if pad_v:
+        v = F.pad(v, (0, pad_v))
+    if initial_state is not None and (pad_k or pad_v):  # [N, H, K, V]
+        initial_state = F.pad(initial_state, (0, pad_v, 0, pad_k))
     o, state = fn(q=q, k=k, v=v, g=g, scale=scale, initial_state=initial_state,
                   output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-    if pad > 0 and state is not None:
-        state = state[..., :key_dim, :].contiguous()
+    if pad_v:
+        o = o[..., :value_dim]
+    if state is not None and (pad_k or pad_v):
+        state = state[..., :key_dim, :value_dim].contiguous()
     return o, state
 
 
@@ -85,6 +94,12 @@ def causal_conv1d(x, weight, bias, activation, cu_seqlens, initial_state, output
 
 def rms_norm(x, weight, eps):
     return _fla_rms_norm(x, weight, None, eps=eps)
+
+
+def add_rms_norm(x, residual, weight, eps):
+    # FLA's prenorm form: one kernel returns the norm of x + residual and the sum itself; its backward adds the
+    # sum's own gradient into the input gradient in the same pass
+    return _fla_rms_norm(x, weight, None, residual=residual, eps=eps, prenorm=True)
 
 
 def gated_rms_norm(x, gate, weight, eps, activation, norm_before_gate, group_size):
