@@ -428,7 +428,8 @@ def selective_ac_interval(cfg) -> int:
 
 
 def compiles(cfg, component: str) -> bool:
-    """Whether torch.compile covers ``component`` ("model": each sublayer, "loss": the cross-entropy chunks)."""
+    """Whether torch.compile covers ``component`` ("model": each sublayer, "loss": the cross-entropy chunks,
+    "norm": the RMSNorms with their residual adds)."""
     return cfg.compile.enable and component in cfg.compile.components
 
 

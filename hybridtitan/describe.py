@@ -80,6 +80,7 @@ def describe(cfg) -> dict:
             "params_grads_optimizer": states / GIB, "activations": act_bytes / GIB, "loss_chunk": loss_bytes / GIB,
             "total": (states + act_bytes + loss_bytes) / GIB,
             "assumes": f"fp32 master weights, gradients and AdamW moments sharded over {shard} rank(s)"
+                       f"{' (data_parallel_shard_degree -1 is counted as 1 here)' if cfg.parallelism.data_parallel_shard_degree == -1 else ''}"
                        f"{', the gathered parameters kept from forward to backward' if kept_gathered else ''}; "
                        f"{8 * on_gpu_bytes}-bit activations, activation checkpointing '{ac}'",
         },

@@ -57,6 +57,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1) 
     step = 1 if mode == "full" else every
     for i, layer in enumerate(model.layers):
         if i % step == 0:
+            # its saved input is then the stream alone, not the stream and the previous output (Sublayer)
+            layer.fuse_residual_add = False
             model.layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                                  preserve_rng_state=False)
 

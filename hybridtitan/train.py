@@ -238,10 +238,8 @@ def train(cfg, plan: Plan) -> dict:
                                  compile_model=compiles(cfg, "model"),
                                  param_dtype=param_dtype,
                                  reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward)
-    if compiles(cfg, "loss"):
-        ops.compile_loss(True)  # the elementwise part of each cross-entropy chunk, fused
-    if compiles(cfg, "norm"):
-        ops.compile_norms(True)  # RMSNorm and the residual add before it
+    ops.compile_loss(compiles(cfg, "loss"))  # the elementwise part of each cross-entropy chunk, fused
+    ops.compile_norms(compiles(cfg, "norm"))  # RMSNorm and the residual add before it
 
     optimizer = build_optimizer(model, cfg, device.type)
     lr_scheduler = build_lr_scheduler(optimizer, cfg)

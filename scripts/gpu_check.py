@@ -155,11 +155,11 @@ def _dt_bias(gen, n, device):
 
 def _with_compiled_norms(fn, *args):
     """fn(*args) with ops.compile_norms on (the autograd graph it records keeps the compiled backward)."""
-    ops.compile_norms(True)
+    previous = ops.compile_norms(True)
     try:
         return fn(*args)
     finally:
-        ops.compile_norms(False)
+        ops.compile_norms(previous)
 
 
 def op_cases(sh: Shapes, device: torch.device):

@@ -481,14 +481,14 @@ def test_compiled_norms_equal_eager():
         return [normed.detach(), total.detach(), plain.detach()] + [t.grad for t in inputs]
 
     eager = run()
-    ops.compile_norms(True)
+    previous = ops.compile_norms(True)
     try:
         compiled = run()
         assert ops._compiled.cache_info().currsize == 2  # both functions went through torch.compile
         with ops.use_reference_kernels():
             forced = run()
     finally:
-        ops.compile_norms(False)
+        ops.compile_norms(previous)
     for a, b, c in zip(compiled, eager, forced):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(c, b, rtol=0, atol=0)

@@ -23,16 +23,20 @@ MIXER_CLASSES = {"gdn": GatedDeltaNet, "kda": KimiDeltaAttention, "mamba2": Mamb
 
 
 class Sublayer(nn.Module):
-    """x + f(RMSNorm(x)), f one of: MLA attention ('attention'), the mixer ('mixer'), SwiGLU ('mlp').
+    """A pre-norm residual sublayer, x -> x + f(RMSNorm(x)), f one of: MLA attention ('attention'), the mixer
+    ('mixer'), SwiGLU ('mlp').
 
     The residual add is done one sublayer late, inside the next norm's kernel: ``forward(x, delta)`` takes the
     residual stream and the previous sublayer's output not yet added to it, and returns the stream with it added
     and this sublayer's own output f(RMSNorm(x + delta)). The stack's result is the last pair's sum. That saves
-    a pass over the stream per sublayer, forward and backward (the add's gradient joins the norm's backward)."""
+    a pass over the stream per sublayer, forward and backward (the add's gradient joins the norm's backward).
+    A sublayer under activation checkpointing keeps its inputs for the recomputation: it gets the stream with
+    the add already done (``fuse_residual_add = False``), one saved tensor instead of two."""
 
     def __init__(self, kind: str, args: ModelArgs):
         super().__init__()
         self.kind = kind
+        self.fuse_residual_add = True  # hybridtitan.parallel turns it off for checkpointed sublayers
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         if kind == "attention":
             self.attn = MultiLatentAttention(args.dim, args.mla, args.norm_eps)
@@ -98,6 +102,8 @@ class HybridLM(nn.Module):
             if B > 1:
                 h, rows = h.reshape(1, B * T, -1), B
         for i, layer in enumerate(self.layers):
+            if delta is not None and not layer.fuse_residual_add:
+                h, delta = h + delta, None
             stream, delta = layer(h, delta, cu_seqlens=cu_seqlens,
                                   cache=cache.layer(i) if cache is not None else None, rows=rows)
             h = h if stream is None else stream

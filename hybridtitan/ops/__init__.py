@@ -98,13 +98,15 @@ def causal_conv1d(x, weight, bias=None, activation="silu", cu_seqlens=None, init
     return reference.causal_conv1d(x, weight, bias, activation, cu_seqlens, initial_state, output_final_state)
 
 
-def compile_norms(enable: bool = True) -> None:
+def compile_norms(enable: bool = True) -> bool:
     """RMSNorm, and the residual add fused with it, through torch.compile on every device (the trainer's
     compile.components = ["norm"]) instead of FLA's kernel on GPUs / the eager reference elsewhere. Inductor's
     backward reads and writes each [tokens, dim] tensor at close to the memory's speed; FLA 0.6.0's row kernel
-    ran at ~0.9 TB/s on an H200 (docs/benchmarks.md)."""
+    ran at ~0.9 TB/s on an H200 (docs/benchmarks.md). Returns the previous setting. (torch.compile's default
+    dynamic shapes: a new hidden size compiles once more, then the dims become symbolic.)"""
     global _COMPILED_NORMS
-    _COMPILED_NORMS = enable
+    previous, _COMPILED_NORMS = _COMPILED_NORMS, enable
+    return previous
 
 
 def _add_rms_norm_eager(x, residual, weight, eps):
