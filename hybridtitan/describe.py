@@ -63,6 +63,7 @@ def describe(cfg) -> dict:
     # (one shard with the default policy, or "never"), the gathered 16-bit copy of every parameter too
     policy = cfg.parallelism.fsdp_reshard_after_forward
     kept_gathered = policy == "never" or (policy == "default" and shard == 1)
+    unknown_degree = cfg.parallelism.data_parallel_shard_degree == -1
     states = counts["total"] * 16 / shard + (counts["total"] * on_gpu_bytes if kept_gathered else 0)
     layers = [
         {"index": i, "kind": kind, "symbol": args.pattern[i],
@@ -80,7 +81,7 @@ def describe(cfg) -> dict:
             "params_grads_optimizer": states / GIB, "activations": act_bytes / GIB, "loss_chunk": loss_bytes / GIB,
             "total": (states + act_bytes + loss_bytes) / GIB,
             "assumes": f"fp32 master weights, gradients and AdamW moments sharded over {shard} rank(s)"
-                       f"{' (data_parallel_shard_degree -1 is counted as 1 here)' if cfg.parallelism.data_parallel_shard_degree == -1 else ''}"
+                       f"{' (data_parallel_shard_degree -1 is counted as 1 here)' if unknown_degree else ''}"
                        f"{', the gathered parameters kept from forward to backward' if kept_gathered else ''}; "
                        f"{8 * on_gpu_bytes}-bit activations, activation checkpointing '{ac}'",
         },

@@ -190,7 +190,8 @@ def op_cases(sh: Shapes, device: torch.device):
                     q, k, v, a, b, A_log, dt_bias, cu_seqlens=cu_seqlens)[0])
 
     # --- simple GLA as Mamba2's SSD, scale 1, g = A * dt (float32): zebra_mamba2_300M's H=32, K=d_state=64,
-    # V=head_dim=64, and debug_mamba2's H=8, K=16, V=32 (packed: head dims FLA's backward faults on unpadded, fla_backend)
+    # V=head_dim=64, and debug_mamba2's H=8, K=16, V=32 (packed: head dims whose backward FLA gets wrong unpadded,
+    # see fla_backend)
     for op, (H, K, V) in (("simple_gla", (32, 64, 64)), ("simple_gla K=16 (debug_mamba2)", (8, 16, 32))):
         for case, B, c in layouts:
             def make(gen, B=B, c=c, H=H, K=K, V=V):
