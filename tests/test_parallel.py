@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from hybridtitan import ops
 from hybridtitan.models import get_flavor
 from hybridtitan.models.model import build_model
 from hybridtitan.parallel import apply_activation_checkpointing, reshard_after_forward_for
@@ -21,10 +22,11 @@ def test_reshard_policy():
         reshard_after_forward_for("sometimes", 0, n, 2)
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
-def test_activation_checkpointing_same_loss_and_gradients(mode):
+@pytest.mark.parametrize("mode,compiled_norms", [("full", False), ("selective", False), ("full", True)])
+def test_activation_checkpointing_same_loss_and_gradients(mode, compiled_norms):
     """Checkpointed sublayers take the stream with the residual already added (one saved input, not two): the
-    loss and every gradient are those of the model without checkpointing."""
+    loss and every gradient are those of the model without checkpointing, also with the norms compiled (as the
+    GPU recipes run them; the recomputation runs them again)."""
     torch.manual_seed(0)
     plain = build_model(get_flavor("debug_hybrid"), "cpu")
     plain.init_weights()
@@ -36,8 +38,12 @@ def test_activation_checkpointing_same_loss_and_gradients(mode):
     ids = torch.randint(0, plain.args.vocab_size, (2, 33))
     results = []
     for model in (plain, checkpointed):
-        loss = model(ids[:, :-1], labels=ids[:, 1:])
-        loss.backward()
+        previous = ops.compile_norms(compiled_norms and model is checkpointed)
+        try:
+            loss = model(ids[:, :-1], labels=ids[:, 1:])
+            loss.backward()
+        finally:
+            ops.compile_norms(previous)
         results.append((loss.detach(), {n.replace("_checkpoint_wrapped_module.", ""): p.grad
                                         for n, p in model.named_parameters()}))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=1e-6)
