@@ -15,6 +15,7 @@ import sys
 from hybridtitan.config import ConfigError, compiles, model_args, parse_config, selective_ac_interval
 from hybridtitan.models import FLAVORS
 from hybridtitan.models.flops import flops_per_token, param_counts, sublayer_flops, sublayer_params
+from hybridtitan.parallel import reshard_after_forward_for
 
 GIB = 2**30
 
@@ -61,8 +62,7 @@ def describe(cfg) -> dict:
     loss_bytes = min(tokens, t.loss_chunk_size) * args.vocab_size * (4 if compiles(cfg, "loss") else 8)
     # fp32 parameters, gradients and two AdamW moments, sharded; where nothing reshards after the forward pass
     # (one shard with the default policy, or "never"), the gathered 16-bit copy of every parameter too
-    policy = cfg.parallelism.fsdp_reshard_after_forward
-    kept_gathered = policy == "never" or (policy == "default" and shard == 1)
+    kept_gathered = not reshard_after_forward_for(cfg.parallelism.fsdp_reshard_after_forward, 0, args.n_layers, shard)
     unknown_degree = cfg.parallelism.data_parallel_shard_degree == -1
     states = counts["total"] * 16 / shard + (counts["total"] * on_gpu_bytes if kept_gathered else 0)
     layers = [

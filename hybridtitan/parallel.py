@@ -84,11 +84,14 @@ def reshard_after_forward_for(policy: str, index: int | None, n_layers: int, sha
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               reshard_after_forward: str = "default") -> None:
-    """fully_shard every sublayer, then the root (embedding, final norm and the tied output layer together)."""
+               reshard_after_forward: str = "default", layers: nn.ModuleList | None = None) -> None:
+    """fully_shard every sublayer, then the root (embedding, final norm and the tied output layer together).
+    ``layers``: the blocks to shard one by one when they are not ``model.layers`` (the benchmark wraps FLA's
+    models, whose blocks are ``model.model.layers``, the same way)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    n, shard_degree = len(model.layers), mesh.size(mesh.ndim - 1)
-    for i, layer in enumerate(model.layers):
+    layers = model.layers if layers is None else layers
+    n, shard_degree = len(layers), mesh.size(mesh.ndim - 1)
+    for i, layer in enumerate(layers):
         fully_shard(layer, mesh=mesh, mp_policy=mp,
                     reshard_after_forward=reshard_after_forward_for(reshard_after_forward, i, n, shard_degree))
     fully_shard(model, mesh=mesh, mp_policy=mp,

@@ -228,12 +228,11 @@ def build_ours(margs, mesh, device, param_dtype, ac: str, compiled: tuple[str, .
 
 
 def build_fla(margs, impl: str, mesh, device, param_dtype, ac: str):
-    """FLA's ForCausalLM of the same configuration, fully_shard per block then the root, with the same choice of
-    reshard-after-forward as apply_fsdp's default (hybridtitan.parallel.reshard_after_forward_for)."""
+    """FLA's ForCausalLM of the same configuration, wrapped by the trainer's own hybridtitan.parallel.apply_fsdp
+    (fully_shard per block then the root, the default reshard-after-forward choice)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from hybridtitan.parallel import reshard_after_forward_for
+    from hybridtitan.parallel import apply_fsdp
 
     config = fla_config(margs, loss="plain" if impl == "fla-ce" else "linear")
     with torch.device(device):
@@ -243,13 +242,7 @@ def build_fla(margs, impl: str, mesh, device, param_dtype, ac: str):
         for i, block in enumerate(layers):
             layers[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                            preserve_rng_state=False)
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    n, shard_degree = len(layers), mesh.size(mesh.ndim - 1)
-    for i, block in enumerate(layers):
-        fully_shard(block, mesh=mesh, mp_policy=mp,
-                    reshard_after_forward=reshard_after_forward_for("default", i, n, shard_degree))
-    fully_shard(model, mesh=mesh, mp_policy=mp,
-                reshard_after_forward=reshard_after_forward_for("default", None, n, shard_degree))
+    apply_fsdp(model, mesh, param_dtype, torch.float32, layers=layers)
     model.train()
     return model
 
