@@ -239,7 +239,8 @@ def train(cfg, plan: Plan) -> dict:
                                  compile_model=compiles(cfg, "model"),
                                  param_dtype=param_dtype,
                                  reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward)
-    ops.compile_loss(compiles(cfg, "loss"))  # the elementwise part of each cross-entropy chunk, fused
+    # the elementwise part of each cross-entropy chunk through torch.compile; otherwise our Triton kernel on GPUs
+    ops.compile_loss(compiles(cfg, "loss"))
     ops.compile_norms(compiles(cfg, "norm"))  # RMSNorm and the residual add before it
 
     optimizer = build_optimizer(model, cfg, device.type)

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import gc
 import gzip
+import json
 import math
 import os
 import shlex
@@ -58,11 +58,13 @@ DATASHEET_FLOPS = 989e12
 MODELS = "gdn_300M,kda_300M,zebra_gdn_300M,zebra_mamba2_300M,gdn_1B"
 FLA_MODELS = "gdn_300M,kda_300M"
 # hybridtitan's variants: what torch.compile covers. "hybridtitan" is what the recipes run (compile.components =
-# ["loss", "norm"]: the cross-entropy chunks and the RMSNorms with their residual adds fused, the rest eager);
-# -fla-norm leaves the norms to FLA's kernel (["loss"]); -eager compiles nothing; -compiled also compiles every
-# sublayer whole (["model", "loss", "norm"]).
-OURS = {"hybridtitan": ("loss", "norm"), "hybridtitan-fla-norm": ("loss",), "hybridtitan-eager": (),
-        "hybridtitan-compiled": ("model", "loss", "norm"), "hybridtitan-r3": ("loss",)}
+# ["norm"]: the RMSNorms with their residual adds fused; each cross-entropy chunk's softmax in our Triton kernel,
+# the GPUs' default; the rest eager); -compiled-loss runs the chunks through torch.compile instead (["loss",
+# "norm"], the recipes before); -fla-norm leaves the norms to FLA's kernel and compiles the chunks (["loss"]);
+# -eager compiles nothing (the chunks in our kernel); -compiled also compiles every sublayer whole (["model",
+# "loss", "norm"]).
+OURS = {"hybridtitan": ("norm",), "hybridtitan-compiled-loss": ("loss", "norm"), "hybridtitan-fla-norm": ("loss",),
+        "hybridtitan-eager": (), "hybridtitan-compiled": ("model", "loss", "norm"), "hybridtitan-r3": ("loss",)}
 # hybridtitan as it was measured in docs/benchmarks.md's third measurement, for a before / after in one run: the
 # residual add as its own pass before each norm (FLA's norm kernel), and every sublayer but the last resharding
 # after the forward pass whatever the shard degree
@@ -97,8 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ac", choices=("none", "full"), default="none",
                    help="activation checkpointing, every sublayer (ours) / every block (FLA)")
     p.add_argument("--profile", default=None,
-                   help="CASE = MODEL or MODEL:IMPL (e.g. gdn_300M or kda_300M:fla-ce): after timing, 3 more steps "
-                        "under torch.profiler; writes a gzipped Chrome trace and a kernel table")
+                   help="CASE[,CASE...], CASE = MODEL or MODEL:IMPL (e.g. gdn_300M or kda_300M:fla-ce): after "
+                        "timing, 3 more steps under torch.profiler; writes a gzipped Chrome trace, a kernel table "
+                        "and how busy the GPU was (gpu_timeline)")
     p.add_argument("--profile-dir", default=None, help="where the profile goes (default $OUT if set, else ./profiles)")
     p.add_argument("--markdown", default=None, help="append a dated section (command, versions, table) to this file")
     p.add_argument("--json", default=None, help="write every result to this file (rewritten after each case)")
@@ -342,7 +345,7 @@ def run_case(args, mesh, device, name: str, impl: str, batch: int, info: dict) -
         row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
     if not math.isfinite(row["loss_last"]):
         row["note"] = "non-finite loss"
-    if args.profile and profile_matches(args.profile, name, impl):
+    if args.profile and any(profile_matches(spec, name, impl) for spec in args.profile.split(",")):
         row["profile"] = profile_steps(args, device, step, batches, f"{name}_{impl}")
     return row
 
@@ -359,9 +362,11 @@ def profile_steps(args, device, step, batches, tag: str) -> dict:
     os.makedirs(folder, exist_ok=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities, record_shapes=True) as prof:
+        start = time.perf_counter()
         for i in range(3):
             step(*batches[i % len(batches)])
         sync(device)
+        wall_ms = 1e3 * (time.perf_counter() - start)
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     try:
         table = prof.key_averages().table(sort_by=sort, row_limit=40)
@@ -374,8 +379,15 @@ def profile_steps(args, device, step, batches, tag: str) -> dict:
                                                                       max_name_column_width=40,
                                                                       max_shapes_column_width=90)
         table += "\nby input shape:\n" + by_shape
+    if device.type == "cuda":  # where the CPU's time goes (a launch-bound step is limited by it)
+        with contextlib.suppress(Exception):
+            table += "\nby CPU time:\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25,
+                                                                     max_name_column_width=50)
     raw = os.path.join(folder, f"profile_{tag}.json")
     prof.export_chrome_trace(raw)
+    timeline = gpu_timeline(raw, wall_ms, steps=3) if device.type == "cuda" else None
+    if timeline:
+        table += "\n" + timeline["summary"]
     with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
         shutil.copyfileobj(src, dst)
     os.remove(raw)
@@ -383,7 +395,54 @@ def profile_steps(args, device, step, batches, tag: str) -> dict:
     with open(table_path, "w") as f:
         f.write(table + "\n")
     print(f"profile of 3 steps ({tag}):\n{table}", flush=True)
-    return {"trace": raw + ".gz", "table": table_path}
+    return {"trace": raw + ".gz", "table": table_path, "timeline": timeline}
+
+
+def gpu_timeline(trace_path: str, wall_ms: float, steps: int, gap_floor_us: float = 20.0) -> dict | None:
+    """How busy the GPU was in a profiler trace: the union of its kernels, copies and memsets against the wall
+    time of the profiled steps, and its idle gaps. For each gap, how long before the kernel that ends it the CPU
+    had launched that kernel: a launch just before (under ``gap_floor_us``) means the GPU was waiting for the CPU
+    to get there (launch-bound), an earlier one means it waited for something else (an event, a copy).
+    """
+    with open(trace_path) as f:
+        events = json.load(f).get("traceEvents", [])
+    launches = {}  # correlation id -> end of the CPU's launch call
+    device_work = []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        cat, correlation = e.get("cat", ""), (e.get("args") or {}).get("correlation")
+        if cat in ("cuda_runtime", "cuda_driver") and correlation is not None:
+            launches[correlation] = e["ts"] + e.get("dur", 0.0)
+        elif cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            device_work.append((e["ts"], e["ts"] + e.get("dur", 0.0), e.get("name", "?"), correlation))
+    if not device_work:
+        return None
+    device_work.sort()
+    busy, gaps = 0.0, []
+    cur_start, cur_end, cur_name = device_work[0][0], device_work[0][1], device_work[0][2]
+    for start, end, name, correlation in device_work[1:]:
+        if start > cur_end:  # a gap: close the busy stretch
+            busy += cur_end - cur_start
+            launched = launches.get(correlation)
+            lag = start - launched if launched is not None else float("nan")
+            gaps.append((start - cur_end, lag, cur_name, name))
+            cur_start = start
+        if end >= cur_end:
+            cur_end, cur_name = end, name
+    busy += cur_end - cur_start
+    idle = sum(g[0] for g in gaps)
+    cpu_bound = sum(gap for gap, lag, _, _ in gaps if lag < gap_floor_us)  # NaN (launch unseen) compares False
+    per = 1e3 * steps
+    lines = [f"GPU timeline over {steps} steps: wall {wall_ms / steps:.1f} ms/step; device busy "
+             f"{busy / per:.1f} ms/step, idle between its first and last kernel {idle / per:.1f} ms/step "
+             f"({len(gaps) / steps:.0f} gaps/step), of which {cpu_bound / per:.1f} ms/step waiting for a launch "
+             f"(the next kernel launched < {gap_floor_us:.0f} us before it began)",
+             "largest gaps: us | launched us before start | after -> before"]
+    for gap, lag, before, after in sorted(gaps, reverse=True)[:10]:
+        lines.append(f"  {gap:9.1f} | {lag:9.1f} | {before[:50]} -> {after[:50]}")
+    return {"wall_ms_per_step": wall_ms / steps, "busy_ms_per_step": busy / per, "idle_ms_per_step": idle / per,
+            "launch_wait_ms_per_step": cpu_bound / per, "summary": "\n".join(lines)}
 
 
 def run_with_retry(args, mesh, device, name: str, impl: str, info: dict) -> dict:
@@ -421,20 +480,10 @@ def run_with_retry(args, mesh, device, name: str, impl: str, info: dict) -> dict
 # ================================================================================================ CE micro-benchmark
 
 
-# A candidate for the compiled chunk, measured beside the op's path through the op's chunk loop (its chunk_fn
-# argument): Inductor's coordinate-descent search over the reduction kernel's block sizes and warps.
-
-@functools.cache
-def _tuned_chunk_compiled():
-    from hybridtitan.ops.cross_entropy import _chunk_loss_and_grad_fusable
-
-    return torch.compile(_chunk_loss_and_grad_fusable, dynamic=False, options={"coordinate_descent_tuning": True})
-
-
 def ce_bench(args, device) -> list[dict]:
     """Forward + backward of the output layer's loss, [tokens, dim] x [vocab, dim] in bf16: the op's compiled
-    path (compile.components = ["loss"]; the first row, the yardstick of the others' gradients), candidates for
-    it (coordinate-descent tuned chunks, chunks twice as long), ours eagerly, and FLA's fused linear
+    path (compile.components = ["loss"]; the first row, the yardstick of the others' gradients), our Triton kernel
+    for the chunks' softmax (ops.use_triton_loss) at several settings, ours eagerly, and FLA's fused linear
     cross-entropy."""
     from hybridtitan import ops
 
@@ -463,22 +512,35 @@ def ce_bench(args, device) -> list[dict]:
 
     from hybridtitan.ops.cross_entropy import _LinearCrossEntropy
 
-    def tuned_compiled(h, w):
-        return _LinearCrossEntropy.apply(h, w, targets, -100, chunk, _tuned_chunk_compiled()) / count
+    def triton_chunks(block, warps, programs):
+        from hybridtitan.ops import cross_entropy_triton
 
-    def long_chunks(h, w):
-        return ops.linear_cross_entropy(h, w, targets, chunk_size=2 * chunk, compiled=True)[0] / count
+        def chunk_fn(logits, target, valid):
+            return cross_entropy_triton.chunk_loss_and_grad(logits, target, valid, block, warps, programs)
 
-    impls = [("hybridtitan, chunks compiled (the recipes')", ours_compiled),
-             ("candidate: chunks compiled, coordinate-descent tuned", tuned_compiled),
-             (f"candidate: chunks of {2 * chunk}, compiled", long_chunks),
+        def fn(h, w):
+            return _LinearCrossEntropy.apply(h, w, targets, -100, chunk, chunk_fn) / count
+        return fn
+
+    # Triton kernel settings (block of columns, warps, programs: None = one per row, else that many looping)
+    triton_configs = [(8192, 16, None), (4096, 8, None), (16384, 32, None), (8192, 16, 264), (8192, 32, 132),
+                      (16384, 16, 528)]
+    from hybridtitan.ops.cross_entropy_triton import BLOCK, NUM_WARPS
+
+    def triton_label(b, w, p):
+        if (b, w, p) == (BLOCK, NUM_WARPS, None):
+            return f"hybridtitan, our Triton kernel, blocks {b}, {w} warps, a program per row (the recipes')"
+        return f"candidate: Triton kernel, blocks {b}, {w} warps, " + (f"{p} programs" if p else "a program per row")
+
+    impls = [("hybridtitan, chunks compiled (compile.components = [\"loss\"])", ours_compiled),
+             *((triton_label(b, w, p), triton_chunks(b, w, p)) for b, w, p in triton_configs),
              ("hybridtitan ops.linear_cross_entropy, eager", ours), ("FLA FusedLinearCrossEntropyLoss", fla_flce)]
     rows, base = [], None
     flops = 6 * tokens * dim * vocab  # logits, grad of the hidden states, grad of the weight
     for label, fn in impls:
         row = {"impl": label, "tokens": tokens, "dim": dim, "vocab": vocab}
-        if label.startswith("FLA") and device.type != "cuda":
-            rows.append({**row, "status": "SKIP", "note": "FLA's kernels need a GPU"})
+        if (label.startswith("FLA") or "Triton" in label) and device.type != "cuda":
+            rows.append({**row, "status": "SKIP", "note": "Triton kernels need a GPU"})
             continue
         try:
             free_memory(device)

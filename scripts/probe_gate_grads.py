@@ -8,8 +8,12 @@ dt_bias initialisation) gave A_log and dt_bias gradients 1.19e-2 from the float3
 while every other input's gradient stayed under 6e-3 (docs/benchmarks.md). Each of the two is 8 numbers, a sum
 over 4,096 tokens of per-token gate gradients. For each seed this prints the relative error of every gradient
 twice: with A_log / dt_bias in bf16 (as gpu_check and the models' bf16 compute pass them) and in float32, and
-the error that storing the reference's own dt_bias gradient in bf16 would make. Errors that move with the seed
-around the bar, and fall with float32 parameters, are rounding; one seed far off, or NaN, is a fault.
+the error that storing the reference's own dt_bias gradient in bf16 would make. Then, from the reference run
+again with the two parameters given per token, how much the sums cancel (the norm of the summed magnitudes of
+the per-token terms over the norm of their sum) and the error measured against those summed magnitudes, which
+is what a sum's rounding error scales with. Errors that move with the seed, do not fall with float32
+parameters, and are small against the summed magnitudes are the kernel's bf16 rounding of the per-token terms,
+magnified by the cancellation; one seed far off, or NaN, is a fault.
 """
 
 from __future__ import annotations
@@ -45,6 +49,20 @@ def run(make, call, seed: int, fp32_params: bool, device) -> dict:
         (out_ref.float() * grad_out).sum().backward()
     row = {"out": rel_err(out, out_ref), **{k: rel_err(fast[k].grad, ref[k].grad) for k in INPUTS}}
     row["dt_bias bf16 storage"] = rel_err(ref["dt_bias"].grad.to(torch.bfloat16), ref["dt_bias"].grad)
+    # The reference once more with A_log / dt_bias given per token (expanded like a): their gradients are then
+    # the per-token terms whose sums over the tokens are the parameters' gradients
+    per_token = {k: ref[k].detach().expand(ref["a"].shape).clone().requires_grad_() for k in ("A_log", "dt_bias")}
+    with ops.use_reference_kernels():
+        out_terms = call(**{**{k: v.detach() for k, v in ref.items()}, **per_token}, **kwargs)
+        (out_terms.float() * grad_out).sum().backward()
+    for k, leaf in per_token.items():
+        terms = leaf.grad.flatten(0, 1).double()  # [tokens, heads]
+        summed, magnitudes = terms.sum(0), terms.abs().sum(0)
+        assert torch.allclose(summed, ref[k].grad.double(), rtol=1e-3, atol=1e-6 * magnitudes.max().item())
+        # cancellation: how much smaller the sum is than its terms' magnitudes (1: no cancellation)
+        row[f"{k} cancellation"] = (magnitudes.norm() / summed.norm()).item()
+        # the error against what a sum's rounding scales with: the summed magnitudes of its terms
+        row[f"{k} err / summed magnitudes"] = ((fast[k].grad.double() - summed).norm() / magnitudes.norm()).item()
     return row
 
 
@@ -58,18 +76,21 @@ def main(argv=None) -> int:
     cases = {(op, case): (make, call) for op, case, make, call, _ in gpu_check.op_cases(gpu_check.Shapes(args.tiny),
                                                                                          device)}
     make, call = cases[("gated_delta_rule", "dense B=2")]
-    columns = ["out", *INPUTS, "dt_bias bf16 storage"]
+    columns = ["out", *INPUTS, "dt_bias bf16 storage", "A_log cancellation", "dt_bias cancellation",
+               "A_log err / summed magnitudes", "dt_bias err / summed magnitudes"]
     print("| seed | A_log, dt_bias | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 2) + "|")
-    worst, finite = 0.0, True
+    worst, worst_scaled, finite = 0.0, 0.0, True
     for seed in range(args.seeds):
         for fp32_params in (False, True):
             row = run(make, call, seed, fp32_params, device)
             worst = max(worst, row["A_log"], row["dt_bias"])
+            worst_scaled = max(worst_scaled, *(row[f"{k} err / summed magnitudes"] for k in ("A_log", "dt_bias")))
             finite = finite and all(math.isfinite(v) for v in row.values())
             print(f"| {seed} | {'float32' if fp32_params else 'bf16'} | "
                   + " | ".join(f"{row[c]:.2e}" for c in columns) + " |", flush=True)
-    print(f"largest A_log / dt_bias gradient error: {worst:.2e}" + ("" if finite else "; NON-FINITE errors"))
+    print(f"largest A_log / dt_bias gradient error: {worst:.2e}; against the summed magnitudes of the per-token "
+          f"terms: {worst_scaled:.2e}" + ("" if finite else "; NON-FINITE errors"))
     return 0 if finite else 1
 
 

@@ -174,7 +174,8 @@ def test_manifest_is_complete():
 
 def test_manifest_is_recorded_on_a_gpu_and_covers_every_op():
     """The shipped manifest comes from training steps on a GPU, and holds kernels of every FLA op the models
-    call: each mixer dense and with packed documents, the convolution, the norms, SwiGLU + linear, attention."""
+    call (each mixer dense and with packed documents, the convolution, the norms, SwiGLU + linear, attention)
+    and our cross-entropy kernel."""
     manifest = load_manifest(MANIFEST)
     assert not manifest.get("provisional")
     assert "H200" in manifest["device"]
@@ -187,6 +188,8 @@ def test_manifest_is_recorded_on_a_gpu_and_covers_every_op():
     assert varlen == {True, False}  # dense and packed steps were both recorded
     # SwiGLU fused with the down projection: its backward recomputes the product for the weight gradient
     assert any(r["name"] == "swiglu_fwdbwd_kernel" and r["constexprs"].get("HAS_WEIGHT") for r in gpu)
+    # our own kernel: the cross-entropy chunks' softmax and gradient
+    assert any(r["kernel"] == "hybridtitan.ops.cross_entropy_triton:_softmax_cross_entropy_rows" for r in gpu)
 
 
 def test_manifest_compiles_for_amd(tmp_path):

@@ -17,10 +17,12 @@ import torch.nn.functional as F
 from . import reference
 from .cross_entropy import compile_chunks as compile_loss
 from .cross_entropy import linear_cross_entropy
+from .cross_entropy import use_triton_chunks as use_triton_loss
 
 __all__ = [
     "gated_delta_rule", "kda", "simple_gla", "causal_conv1d", "rms_norm", "add_rms_norm", "gated_rms_norm",
-    "swiglu_linear", "attention", "linear_cross_entropy", "compile_loss", "compile_norms", "use_reference_kernels",
+    "swiglu_linear", "attention", "linear_cross_entropy", "compile_loss", "use_triton_loss", "compile_norms",
+    "use_reference_kernels",
     "backend_for",
 ]
 

@@ -7,9 +7,12 @@ weight. Only those gradients are kept for the backward pass, so the extra memory
 PyTorch: the same code runs on CPU, CUDA and ROCm.
 
 Eagerly, a chunk's softmax costs several passes over its logits (float conversion, max, exp, sum, scaling,
-cast). ``compile_chunks(True)`` (the trainer's ``compile.components = ["loss"]``) runs that elementwise part
-through torch.compile instead, which fuses it into a couple of kernels that read the logits once. Where the
-backend can (CUDA), each chunk's weight gradient is added to the float32 accumulator inside its GEMM.
+cast). On GPUs (CUDA, ROCm) a Triton kernel of our own does that part instead (``cross_entropy_triton``: two
+passes over each row, the gradient written in place; ``use_triton_chunks(False)`` turns it off).
+``compile_chunks(True)`` (the trainer's ``compile.components = ["loss"]``) runs it through torch.compile
+instead, on any device: one fused kernel, the fast path on CPUs, and on an H200 5% slower than ours
+(docs/benchmarks.md). Where the backend can (CUDA), each chunk's weight gradient is added to the float32
+accumulator inside its GEMM.
 """
 
 from __future__ import annotations
@@ -19,12 +22,32 @@ import functools
 import torch
 
 _COMPILED = False
+_TRITON = True
 
 
 def compile_chunks(enable: bool = True) -> None:
     """Fuse each chunk's softmax and gradient with torch.compile (the matrix products stay as they are)."""
     global _COMPILED
     _COMPILED = enable
+
+
+def use_triton_chunks(enable: bool = True) -> bool:
+    """On GPUs, each chunk's softmax and gradient in ``cross_entropy_triton``'s kernel (the default) or, off,
+    eagerly; ``compile_chunks(True)`` overrides either. Tensors on other devices are not affected. Returns the
+    previous setting."""
+    global _TRITON
+    previous, _TRITON = _TRITON, enable
+    return previous
+
+
+def _chunk_fn_for(logits: torch.Tensor):
+    if _COMPILED:
+        return _compiled_chunk()
+    if _TRITON and logits.is_cuda:
+        from . import cross_entropy_triton
+
+        return cross_entropy_triton.chunk_loss_and_grad
+    return _chunk_loss_and_grad
 
 
 def _chunk_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor):
@@ -83,8 +106,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             safe_t = torch.where(valid, t, torch.zeros_like(t)).unsqueeze(1)
             logits = h @ weight.t()
             if need_grad:
-                chunk = chunk_fn or (_compiled_chunk() if _COMPILED else _chunk_loss_and_grad)
-                loss, probs = chunk(logits, safe_t, valid)
+                loss, probs = (chunk_fn or _chunk_fn_for(logits))(logits, safe_t, valid)
                 (accumulate or _accumulate)(grad_hidden, grad_weight, probs.to(hidden.dtype), h, weight, start)
             else:  # evaluation: the loss alone
                 x = logits.float()
@@ -146,8 +168,9 @@ def linear_cross_entropy(
     """Summed cross-entropy of ``hidden @ weight.T`` against ``targets``, and the number of counted tokens.
 
     hidden: [..., D]; weight: [V, D]; targets: [...] (``ignore_index`` marks tokens that do not count).
-    Divide the sum by the count (or by a global token count) for the mean. ``compiled``: run the chunks'
-    elementwise part through torch.compile or not for this call; None follows ``compile_chunks``.
+    Divide the sum by the count (or by a global token count) for the mean. ``compiled``: for this call, the
+    chunks' elementwise part through torch.compile (True) or eagerly (False); None: as set by ``compile_chunks``
+    and ``use_triton_chunks`` (on GPUs, by default, our Triton kernel).
     """
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)

@@ -1,0 +1,86 @@
+"""The cross-entropy chunks' Triton kernel (ops.cross_entropy_triton), run on the CPU by Triton's interpreter
+(TRITON_INTERPRET=1, set before the kernel is defined: hence a subprocess), against the eager chunk function:
+loss, gradient written over the logits, ignored tokens, rows shared by fewer programs, a vocabulary that is no
+multiple of the block, and the whole fused linear cross-entropy through the op's chunk loop."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from hybridtitan import ops
+
+REPO = Path(__file__).resolve().parents[1]
+
+SCRIPT = r"""
+import torch
+from hybridtitan.ops import cross_entropy as ce
+from hybridtitan.ops import cross_entropy_triton as tce
+
+torch.manual_seed(0)
+for rows, vocab, block, programs in [(7, 1000, 256, None), (9, 1024, 256, 4), (5, 300, 512, 2), (3, 64, 64, None)]:
+    logits = (torch.randn(rows, vocab) * 4).to(torch.bfloat16)
+    target = torch.randint(0, vocab, (rows, 1))
+    valid = torch.rand(rows) > 0.3
+    valid[0], valid[-1] = True, False
+    ref_loss, ref_grad = ce._chunk_loss_and_grad(logits.clone(), target, valid)
+    buffer = logits.clone()
+    loss, grad = tce.chunk_loss_and_grad(buffer, target, valid, block=block, num_warps=4, programs=programs)
+    assert grad.data_ptr() == buffer.data_ptr() and grad.dtype == torch.bfloat16
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item()), (loss, ref_loss)
+    diff = (grad.float() - ref_grad.float()).abs()
+    # one bf16 rounding apart at most (exp2 in the kernel, exp in the reference): half a unit at 1.0
+    assert diff.max().item() <= 2 ** -8, diff.max()
+    assert (grad[~valid] == 0).all()
+    rows_sum = grad[valid].float().sum(1)  # softmax - onehot sums to zero
+    assert rows_sum.abs().max().item() < 0.05, rows_sum
+
+# the whole op, with the kernel as its chunk function, against the eager op: loss and both gradients
+hidden = torch.randn(300, 32, dtype=torch.bfloat16)
+weight = (torch.randn(500, 32) * 0.3).to(torch.bfloat16)
+targets = torch.randint(0, 500, (300,))
+targets[::7] = -100
+results = []
+for chunk_fn in (None, lambda l, t, v: tce.chunk_loss_and_grad(l, t, v, block=128, num_warps=4)):
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = ce._LinearCrossEntropy.apply(h, w, targets, -100, 128, chunk_fn)
+    loss.backward()
+    results.append((loss.item(), h.grad.float(), w.grad.float()))
+(l0, gh0, gw0), (l1, gh1, gw1) = results
+assert abs(l0 - l1) <= 1e-5 * abs(l0), (l0, l1)
+assert (gh0 - gh1).norm() <= 1e-2 * gh0.norm() and (gw0 - gw1).norm() <= 1e-2 * gw0.norm()
+print("OK")
+"""
+
+
+def test_kernel_in_triton_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_kernel_choice():
+    """The Triton kernel is the GPUs' default; CPU tensors get the eager chunks however it is set, and
+    compile_loss(True) takes precedence on every device."""
+    from hybridtitan.ops import cross_entropy as ce
+
+    cpu, gpu = torch.empty(1), torch.empty(1)
+    gpu_like = type("GpuLike", (), {"is_cuda": True})()
+    assert ce._TRITON is True  # the default
+    assert ce._chunk_fn_for(cpu) is ce._chunk_loss_and_grad
+    assert ce._chunk_fn_for(gpu_like).__module__ == "hybridtitan.ops.cross_entropy_triton"
+    previous = ops.use_triton_loss(False)
+    try:
+        assert ce._chunk_fn_for(gpu_like) is ce._chunk_loss_and_grad
+    finally:
+        assert ops.use_triton_loss(previous) is False
+    ops.compile_loss(True)
+    try:
+        assert ce._chunk_fn_for(gpu_like) is ce._compiled_chunk() and ce._chunk_fn_for(gpu) is ce._compiled_chunk()
+    finally:
+        ops.compile_loss(False)
