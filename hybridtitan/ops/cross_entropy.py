@@ -10,7 +10,7 @@ Eagerly, a chunk's softmax costs several passes over its logits (float conversio
 cast). On GPUs (CUDA, ROCm) a Triton kernel of our own does that part instead (``cross_entropy_triton``: two
 passes over each row, the gradient written in place; ``use_triton_chunks(False)`` turns it off).
 ``compile_chunks(True)`` (the trainer's ``compile.components = ["loss"]``) runs it through torch.compile
-instead, on any device: one fused kernel, the fast path on CPUs, and on an H200 5% slower than ours
+instead, on any device: one fused kernel, the fast path on CPUs, and on an H200 6% slower than ours
 (docs/benchmarks.md). Where the backend can (CUDA), each chunk's weight gradient is added to the float32
 accumulator inside its GEMM.
 """
