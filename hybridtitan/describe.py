@@ -58,8 +58,13 @@ def describe(cfg) -> dict:
         kept = ac == "none" or (ac == "selective" and i % every != 0)
         act += activation_elements_per_token(args, kind) if kept else args.dim
     act_bytes = act * tokens * on_gpu_bytes + tokens * args.dim * 4
-    # one chunk of 16-bit logits and their gradient, plus a float32 copy when the chunk's softmax runs eagerly
-    loss_bytes = min(tokens, t.loss_chunk_size) * args.vocab_size * (4 if compiles(cfg, "loss") else 8)
+    # one chunk of 16-bit logits: on GPUs (16-bit runs) our kernel writes their gradient over them; compiled, the
+    # gradient is a second chunk; eagerly there is also a float32 copy
+    if compiles(cfg, "loss"):
+        loss_chunk_bytes = 4
+    else:
+        loss_chunk_bytes = 2 if on_gpu_bytes == 2 else 8
+    loss_bytes = min(tokens, t.loss_chunk_size) * args.vocab_size * loss_chunk_bytes
     # fp32 parameters, gradients and two AdamW moments, sharded; where nothing reshards after the forward pass
     # (one shard with the default policy, or "never"), the gathered 16-bit copy of every parameter too
     kept_gathered = not reshard_after_forward_for(cfg.parallelism.fsdp_reshard_after_forward, 0, args.n_layers, shard)

@@ -75,3 +75,17 @@ def test_bad_input_one_line_exit_2(argv, expected):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], proc.stderr
     assert proc.stdout == ""
+
+
+def test_loss_chunk_estimate_follows_the_chunk_kernel(capsys):
+    """One chunk of bf16 logits: overwritten by its gradient in our GPU kernel (the recipes), a second chunk for
+    the gradient when the chunks are compiled, a float32 copy on top when they run eagerly (float32 runs)."""
+    recipe = str(ROOT / "train_configs" / "gdn_300M.toml")
+    chunk = 4096 * 128256 / 2**30
+
+    def loss_gib(*overrides):
+        return _json(capsys, ["--job.config_file", recipe, *overrides])["memory_estimate_gib"]["loss_chunk"]
+
+    assert loss_gib() == pytest.approx(2 * chunk)
+    assert loss_gib("--compile.components", "loss,norm") == pytest.approx(4 * chunk)
+    assert loss_gib("--training.mixed_precision_param", "float32") == pytest.approx(8 * chunk)
