@@ -12,15 +12,16 @@ import torch.nn as nn
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 
 
-def build_optimizer(model: nn.Module, cfg, device_type: str) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
     o = cfg.optimizer
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # fused kernels on the GPU; on the CPU the multi-tensor (foreach) path
-    fused = o.implementation == "fused" and device_type != "cpu"
+    # "fused": one kernel per parameter group (GPUs and CPUs); it can also skip a step with non-finite gradients
+    # by itself, without the host waiting for the gradient norm (train._optimizer_step)
+    fused = o.implementation == "fused"
     foreach = not fused and o.implementation != "for-loop"
     cls = torch.optim.AdamW if o.name == "AdamW" else torch.optim.Adam
     return cls(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused, foreach=foreach)

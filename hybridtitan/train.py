@@ -5,7 +5,7 @@
 
 Everything a run needs is checked before anything is written: a bad recipe, override, data path or tokenizer
 is one line on stderr and exit code 2, and no checkpoint is touched. On SIGTERM or Ctrl-C the loop finishes
-its step, saves a checkpoint and stops, so a preempted job resumes where it was. torchtitan's Trainer assumes
+its step (or the next: the ranks learn of a stop one step late), saves a checkpoint and stops, so a preempted job resumes where it was. torchtitan's Trainer assumes
 a GPU; this loop runs on a CPU (gloo, float32) and on GPUs (NCCL/RCCL, bf16 parameters, fp32 reductions).
 """
 
@@ -18,6 +18,7 @@ import datetime
 import gc
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -162,7 +163,7 @@ def _init_distributed(plan: Plan, cfg) -> None:
 
 
 class _StopRequest:
-    """SIGTERM / SIGINT: finish the step, save, exit."""
+    """SIGTERM / SIGINT: finish the step (the ranks agree on it a step later, _StepReports), save, exit."""
 
     def __init__(self):
         self.requested = False
@@ -173,7 +174,7 @@ class _StopRequest:
         if self.requested:  # a second signal: stop now
             raise KeyboardInterrupt
         self.requested = True
-        logger.warning(f"signal {signum}: saving a checkpoint after this step, then stopping")
+        logger.warning(f"signal {signum}: saving a checkpoint after this step or the next, then stopping")
 
 
 def _set_allocator(cfg, device: torch.device) -> None:
@@ -243,7 +244,7 @@ def train(cfg, plan: Plan) -> dict:
     ops.compile_loss(compiles(cfg, "loss"))
     ops.compile_norms(compiles(cfg, "norm"))  # RMSNorm and the residual add before it
 
-    optimizer = build_optimizer(model, cfg, device.type)
+    optimizer = build_optimizer(model, cfg)
     lr_scheduler = build_lr_scheduler(optimizer, cfg)
     dataloader = plan.dataloader
     state = TrainState()
@@ -321,11 +322,60 @@ def _profiler(cfg):
 MAX_CONSECUTIVE_SKIPS = 10
 
 
-def _agree(flag: bool, device: torch.device) -> bool:
-    """True on every rank if it is true on any: ranks must take the same branches around collectives."""
-    t = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+class _StepReports:
+    """What the host learns about each step, one step late: its gradient norm and whether a stop was asked for on
+    any rank. A value read at once (``.item()``, ``bool()``) makes the host wait until the GPU has run everything
+    queued; the GPU then idles while the host prepares the next step (data, optimizer, launches). Two such reads
+    per step held the trainer 6-12% below the benchmark's tokens/s for the 300M recipes on an H200
+    (docs/benchmarks.md). Here the two numbers travel in one small non-blocking copy,
+    read after the next step is queued, when the copy is long done; the ranks' stop flags are all-reduced in
+    the same stream, so every rank reads the same flag for the same step."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pending: tuple[int, torch.Tensor, Any] | None = None
+        # filled in place: a new tensor from a Python value would be a blocking host-to-device copy
+        self.flag = torch.zeros(1, device=device)
+        self.host = torch.empty(2, pin_memory=True) if device.type == "cuda" else None
+
+    def push(self, step: int, grad_norm: torch.Tensor, stop_requested: bool) -> None:
+        """Called after the previous report was popped (its host buffer is reused)."""
+        self.flag.fill_(float(stop_requested))
+        dist.all_reduce(self.flag, op=dist.ReduceOp.MAX)
+        values = torch.cat([grad_norm.detach().float().reshape(1), self.flag])
+        event = None
+        if self.host is not None:
+            self.host.copy_(values, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            values = self.host
+        self.pending = (step, values, event)
+
+    def pop(self) -> tuple[int, float, bool] | None:
+        """(step, gradient norm, stop asked) of the last pushed step (waiting for its copy if needed), or None."""
+        if self.pending is None:
+            return None
+        step, values, event = self.pending
+        self.pending = None
+        if event is not None:
+            event.synchronize()
+        grad_norm, stop = values.tolist()
+        return step, grad_norm, stop > 0
+
+
+def _optimizer_step(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> torch.Tensor:
+    """The update, unless the gradient norm is not finite; returns whether it was applied (a 0-dim bool tensor).
+
+    The fused AdamW kernels skip the update themselves when given a ``found_inf`` flag (as under a gradient
+    scaler: parameters, moments and step count stay as they were), so the host never waits for the norm. Other
+    implementations need the decision on the host."""
+    finite = torch.isfinite(grad_norm)
+    if optimizer.defaults.get("fused"):
+        optimizer.found_inf = (~finite).to(torch.float32)
+        optimizer.step()
+    elif finite:
+        optimizer.step()
+    return finite
 
 
 def _loop(cfg, plan, model, optimizer, lr_scheduler, dataloader, state, ckpt, metrics, stop, device) -> dict:
@@ -334,9 +384,29 @@ def _loop(cfg, plan, model, optimizer, lr_scheduler, dataloader, state, ckpt, me
     tokens_per_step_local = t.local_batch_size * t.seq_len * plan.grad_accum
     gc.disable()
     gc.collect()
-    window_start, window_steps, loss_sum, consecutive_skips = time.perf_counter(), 0, None, 0
+    window_start, loss_sum, counted = time.perf_counter(), None, None
+    consecutive_skips, stopping = 0, False
     start_step = state.step
+    reports = _StepReports(device)
     last: dict = {}
+
+    def account(report) -> None:
+        """The host's bookkeeping of a finished step: skipped updates and stop requests."""
+        nonlocal consecutive_skips, stopping
+        if report is None:
+            return
+        step, grad_norm, stop_asked = report
+        stopping = stopping or stop_asked
+        if math.isfinite(grad_norm):
+            consecutive_skips = 0
+            return
+        state.skipped_steps += 1
+        consecutive_skips += 1
+        logger.warning(f"step {step}: non-finite gradient norm {grad_norm}, update skipped")
+        if consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
+            raise FloatingPointError(f"{consecutive_skips} consecutive steps had non-finite gradients; "
+                                     f"stopping at step {step} (the last checkpoint is intact)")
+
     with _profiler(cfg) as prof:
         while state.step < t.steps:
             state.step += 1
@@ -354,32 +424,30 @@ def _loop(cfg, plan, model, optimizer, lr_scheduler, dataloader, state, ckpt, me
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm, foreach=True)
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
-            # the gradient norm is already reduced over all ranks, so every rank takes the same branch
-            if torch.isfinite(grad_norm):
-                optimizer.step()
-                consecutive_skips = 0
-                loss_sum = loss_acc if loss_sum is None else loss_sum + loss_acc
-                window_steps += 1
-            else:
-                state.skipped_steps += 1
-                consecutive_skips += 1
-                logger.warning(f"step {state.step}: non-finite gradient norm {grad_norm.item()}, update skipped")
-                if consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
-                    raise FloatingPointError(f"{consecutive_skips} consecutive steps had non-finite gradients; "
-                                             f"stopping at step {state.step} (the last checkpoint is intact)")
+            # the gradient norm is already reduced over all ranks, so every rank makes the same choice
+            applied = _optimizer_step(optimizer, grad_norm)
+            # the mean loss of a log window counts the applied steps only
+            loss_acc = torch.where(applied, loss_acc, torch.zeros_like(loss_acc))
+            loss_sum = loss_acc if loss_sum is None else loss_sum + loss_acc
+            counted = applied.float() if counted is None else counted + applied.float()
             lr = optimizer.param_groups[0]["lr"]
             lr_scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             state.tokens_seen += tokens_per_step_local * plan.dp.size
             if prof is not None:
                 prof.step()
-            # a signal reaches the ranks at different moments: they agree on it before any branch on it
-            stopping = _agree(stop.requested, device)
+            # the previous step's report (read only now: this step is queued), then this step's
+            account(reports.pop())
+            reports.push(state.step, grad_norm, stop.requested)
 
             # the first step is always reported: it shows the initial loss and the start-up cost
-            if (state.step % cfg.metrics.log_freq == 0 or state.step in (1, t.steps, start_step + 1) or stopping) \
-                    and window_steps:
-                mean_loss = loss_sum / window_steps
+            log_now = state.step % cfg.metrics.log_freq == 0 or state.step in (1, t.steps, start_step + 1)
+            save_now = ckpt.should_save(state.step, last=state.step == t.steps)
+            if log_now or save_now or stopping:
+                # the counters and the stop flag must include this step before they are logged or saved
+                account(reports.pop())
+            if (log_now or stopping) and counted is not None and counted.item() > 0:
+                mean_loss = loss_sum / counted
                 dist.all_reduce(mean_loss)  # a sum (gloo has no average)
                 mean_loss /= dist.get_world_size()
                 if device.type == "cuda":
@@ -389,10 +457,10 @@ def _loop(cfg, plan, model, optimizer, lr_scheduler, dataloader, state, ckpt, me
                                    tokens_per_step=tokens_per_step_local, window_steps=steps_done,
                                    window_time=time.perf_counter() - window_start, tokens_seen=state.tokens_seen,
                                    skipped_steps=state.skipped_steps)
-                window_start, window_steps, loss_sum = time.perf_counter(), 0, None
+                window_start, loss_sum, counted = time.perf_counter(), None, None
             if state.step % t.gc_freq == 0:
                 gc.collect()
-            if ckpt.should_save(state.step, last=state.step == t.steps or stopping):
+            if save_now or stopping:
                 ckpt.save(state.step, model_only=state.step == t.steps and cfg.checkpoint.last_save_model_only)
             if stopping:
                 logger.warning(f"stopped at step {state.step} on request")

@@ -5,8 +5,11 @@
 #           gated delta rule's gate gradients over seeds (probe_gate_grads.py),
 #   record  the Triton kernel manifest of one training step per debug and 300M flavor (ROCm compile check),
 #   train   zebra_gdn_300M on the shipped corpus with packed documents: 40 steps straight, and the same run
-#           resumed from its step-20 checkpoint; the losses of steps 21-40 compared.
-# Usage: OUT=results bash scripts/gpu_all.sh [bench|check|record|train ...]   (default: all)
+#           resumed from its step-20 checkpoint; the losses of steps 21-40 compared,
+#   trainspeed  the trainer itself on the gdn_300M and kda_300M recipes (micro-batch 32, the shipped corpus
+#           tokenized into a Megatron shard, and the mock source), 30 steps: its tokens/s against the benchmark's.
+# Usage: OUT=results bash scripts/gpu_all.sh [bench|check|record|train|trainspeed ...]   (default: all but
+# trainspeed)
 # Time boxes (seconds) can be changed with BENCH_S, CHECK_S, RECORD_S, TRAIN_S.
 set -uo pipefail
 OUT=${OUT:-gpu_results}
@@ -40,7 +43,7 @@ if [[ $parts == *record* ]]; then
   timeout "${RECORD_S:-420}" python scripts/record_triton_manifest.py --jobs 8 --timeout $((${RECORD_S:-420} - 30)) \
     --out "$OUT/triton_kernels.json" ${RECORD_ARGS:-} 2>&1 | tee "$OUT/record.log" | tail -25
 fi
-if [[ $parts == *train* ]]; then
+if [[ " $parts " == *" train "* ]]; then
   run="torchrun --standalone --nproc_per_node 1 -m hybridtitan.train --job.config_file train_configs/debug_hybrid.toml
        --model.flavor zebra_gdn_300M --data.document_boundaries true --training.seq_len 2048
        --training.local_batch_size 8 --training.global_batch_size 8 --training.steps 40 --optimizer.lr 1e-3
@@ -66,4 +69,21 @@ d = [abs(a[s]["loss"] - b[s]["loss"]) / abs(a[s]["loss"]) for s in steps]
 print(f"resumed steps {steps[0] if steps else '-'}-{steps[-1] if steps else '-'}: max relative loss difference "
       f"{max(d) if d else float('nan'):.2e}; first step resumed: {min(b) if b else '-'}")
 EOF
+fi
+if [[ $parts == *trainspeed* ]]; then
+  rm -rf /tmp/speed_data && python scripts/prepare_data.py --dataset hybridtitan/assets/corpus/train.jsonl \
+    --tokenizer hybridtitan/assets/tokenizer --output /tmp/speed_data/shard --workers 1 2>&1 | tail -1
+  for flavor in ${SPEED_FLAVORS:-gdn_300M kda_300M}; do
+    for source in ${SPEED_SOURCES:-megatron mock}; do
+      data="--data.source megatron --data.tokenizer hybridtitan/assets/tokenizer --data.path /tmp/speed_data/shard_00000"
+      [[ $source == mock ]] && data="--data.source mock"
+      rm -rf /tmp/speed
+      echo "== trainer $flavor, $source data"
+      timeout "${SPEED_S:-150}" torchrun --standalone --nproc_per_node 1 -m hybridtitan.train \
+        --job.config_file "train_configs/$flavor.toml" $data --training.global_batch_size 32 \
+        --training.steps 30 --checkpoint.enable false --metrics.enable_tensorboard false \
+        --job.dump_folder /tmp/speed ${SPEED_ARGS:-} 2>&1 | grep -v Warning \
+        | tee "$OUT/trainspeed_${flavor}_$source.log" | grep -E "step (10|20|30)/|rror" | tail -4
+    done
+  done
 fi

@@ -140,6 +140,49 @@ def test_hsdp_replicate_mesh(tmp_path):
     assert complete_steps(str(dump / "checkpoint")) == [3]
 
 
+# Loaded at the start of every Python process of a run (PYTHONPATH): the training loss becomes NaN at the
+# listed forward calls of each rank, so those steps' gradients are not finite.
+_NAN_INJECTOR = """
+import os
+_steps = {int(s) for s in os.environ["HT_TEST_NAN_CALLS"].split(",")}
+from hybridtitan.models import model as _m
+_forward, _calls = _m.HybridLM.forward, [0]
+def _forward_with_nan(self, *args, **kwargs):
+    out = _forward(self, *args, **kwargs)
+    if kwargs.get("labels") is not None:
+        _calls[0] += 1
+        if _calls[0] in _steps:
+            out = out * float("nan")
+    return out
+_m.HybridLM.forward = _forward_with_nan
+"""
+
+
+@pytest.mark.parametrize("implementation", ["fused", "foreach"])
+def test_nonfinite_gradients_skip_the_update(tmp_path, monkeypatch, implementation):
+    """Steps 3 and 4 get NaN gradients: neither changes the weights (step 4's checkpoint equals step 2's), each
+    is logged and counted, and training carries on with finite losses. "fused" skips on the device (the fused
+    AdamW's found_inf; the host learns of it a step later), "foreach" on the host."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(_NAN_INJECTOR)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(inject), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("HT_TEST_NAN_CALLS", "3,4")
+    dump = tmp_path / "run"
+    proc = run_train(dump, *QUICK, "--training.steps", "6", "--checkpoint.enable", "true",
+                     "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
+                     "--optimizer.implementation", implementation)
+    assert "step 3: non-finite gradient norm nan, update skipped" in proc.stdout
+    assert "step 4: non-finite gradient norm nan, update skipped" in proc.stdout
+    records = {r["step"]: r for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(records) == [1, 2, 5, 6]  # a window whose every update was skipped logs nothing
+    assert records[2]["skipped_steps"] == 0 and records[6]["skipped_steps"] == 2
+    assert all(r["loss"] == r["loss"] for r in records.values())  # finite: the skipped steps are not averaged in
+    s2, s4, s6 = state(dump, 2), state(dump, 4), state(dump, 6)
+    assert all(torch.equal(s2[k], s4[k]) for k in s2)
+    assert not all(torch.equal(s4[k], s6[k]) for k in s4)
+
+
 def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(p) for p in f.read().split()]
