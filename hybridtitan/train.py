@@ -5,8 +5,9 @@
 
 Everything a run needs is checked before anything is written: a bad recipe, override, data path or tokenizer
 is one line on stderr and exit code 2, and no checkpoint is touched. On SIGTERM or Ctrl-C the loop finishes
-its step (or the next: the ranks learn of a stop one step late), saves a checkpoint and stops, so a preempted job resumes where it was. torchtitan's Trainer assumes
-a GPU; this loop runs on a CPU (gloo, float32) and on GPUs (NCCL/RCCL, bf16 parameters, fp32 reductions).
+its step (or the next: the ranks learn of a stop one step late), saves a checkpoint and stops, so a preempted
+job resumes where it was. torchtitan's Trainer assumes a GPU; this loop runs on a CPU (gloo, float32) and on
+GPUs (NCCL/RCCL, bf16 parameters, fp32 reductions).
 """
 
 from __future__ import annotations
@@ -327,9 +328,9 @@ class _StepReports:
     any rank. A value read at once (``.item()``, ``bool()``) makes the host wait until the GPU has run everything
     queued; the GPU then idles while the host prepares the next step (data, optimizer, launches). Two such reads
     per step held the trainer 6-12% below the benchmark's tokens/s for the 300M recipes on an H200
-    (docs/benchmarks.md). Here the two numbers travel in one small non-blocking copy,
-    read after the next step is queued, when the copy is long done; the ranks' stop flags are all-reduced in
-    the same stream, so every rank reads the same flag for the same step."""
+    (docs/benchmarks.md). Here the two numbers travel in one small non-blocking copy, read after the next step
+    is queued, when the copy is long done; the ranks' stop flags are all-reduced in the same stream, so every
+    rank reads the same flag for the same step."""
 
     def __init__(self, device: torch.device):
         self.device = device

@@ -140,6 +140,16 @@ def test_gate_grad_probe_dry_run():
         assert scaled_a_log < err_a_log and scaled_dt < err_dt, row
 
 
+def test_launch_cost_probe_dry_run():
+    """The probe times both mixers' calls and profiles them (reference kernels on a CPU here)."""
+    proc = _run(["scripts/probe_launch_cost.py", "--device", "cpu", "--calls", "4", "--top", "5"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for op in ("gated_delta_rule", "kda"):
+        line = next(l for l in proc.stdout.splitlines() if l.startswith(f"{op}: "))
+        assert float(line.split()[1]) > 0 and "ms of host time per forward + backward call" in line
+    assert proc.stdout.count("Ordered by: internal time") == 2
+
+
 def test_gpu_timeline_from_a_trace(tmp_path):
     """The profile's GPU timeline: busy time is the union of overlapping kernels, gaps are idle, and a gap whose
     next kernel was launched just before it began counts as waiting for the CPU."""
