@@ -378,8 +378,9 @@ def validate(cfg, check_data: bool = True) -> None:
     if unknown:
         raise ConfigError(f"checkpoint.exclude_from_loading: unknown part(s) {', '.join(sorted(unknown))}; allowed: "
                           "optimizer, lr_scheduler, dataloader, train_state")
-    if set(cfg.compile.components) - {"model", "loss", "norm"}:
-        raise ConfigError(f"compile.components must name some of model, loss and norm, got {cfg.compile.components}")
+    if set(cfg.compile.components) - {"model", "loss", "norm", "swiglu"}:
+        raise ConfigError("compile.components must name some of model, loss, norm and swiglu, got "
+                          f"{cfg.compile.components}")
     if cfg.activation_checkpoint.mode not in ("none", "selective", "full"):
         raise ConfigError("activation_checkpoint.mode must be none, selective or full")
     option = cfg.activation_checkpoint.selective_ac_option
@@ -429,7 +430,7 @@ def selective_ac_interval(cfg) -> int:
 
 def compiles(cfg, component: str) -> bool:
     """Whether torch.compile covers ``component`` ("model": each sublayer, "loss": the cross-entropy chunks,
-    "norm": the RMSNorms with their residual adds)."""
+    "norm": the RMSNorms with their residual adds, "swiglu": the MLPs' elementwise passes)."""
     return cfg.compile.enable and component in cfg.compile.components
 
 

@@ -244,6 +244,7 @@ def train(cfg, plan: Plan) -> dict:
     # the elementwise part of each cross-entropy chunk through torch.compile; otherwise our Triton kernel on GPUs
     ops.compile_loss(compiles(cfg, "loss"))
     ops.compile_norms(compiles(cfg, "norm"))  # RMSNorm and the residual add before it
+    ops.compile_swiglu(compiles(cfg, "swiglu"))  # the MLPs' silu(gate) * up, forward and backward
 
     optimizer = build_optimizer(model, cfg)
     lr_scheduler = build_lr_scheduler(optimizer, cfg)

@@ -58,13 +58,15 @@ DATASHEET_FLOPS = 989e12
 MODELS = "gdn_300M,kda_300M,zebra_gdn_300M,zebra_mamba2_300M,gdn_1B"
 FLA_MODELS = "gdn_300M,kda_300M"
 # hybridtitan's variants: what torch.compile covers. "hybridtitan" is what the recipes run (compile.components =
-# ["norm"]: the RMSNorms with their residual adds fused; each cross-entropy chunk's softmax in our Triton kernel,
-# the GPUs' default; the rest eager); -compiled-loss runs the chunks through torch.compile instead (["loss",
-# "norm"], the recipes before); -fla-norm leaves the norms to FLA's kernel and compiles the chunks (["loss"]);
-# -eager compiles nothing (the chunks in our kernel); -compiled also compiles every sublayer whole (["model",
-# "loss", "norm"]).
-OURS = {"hybridtitan": ("norm",), "hybridtitan-compiled-loss": ("loss", "norm"), "hybridtitan-fla-norm": ("loss",),
-        "hybridtitan-eager": (), "hybridtitan-compiled": ("model", "loss", "norm"), "hybridtitan-r3": ("loss",)}
+# ["norm", "swiglu"]: the RMSNorms with their residual adds fused, the MLPs' SwiGLU passes; each cross-entropy
+# chunk's softmax in our Triton kernel, the GPUs' default; the rest eager); -fla-swiglu leaves SwiGLU to FLA's
+# kernels (["norm"], the recipes before); -compiled-loss runs the chunks through torch.compile instead (["loss",
+# "norm"], the recipes before that); -fla-norm leaves the norms to FLA's kernel and compiles the chunks
+# (["loss"]); -eager compiles nothing (the chunks in our kernel); -compiled also compiles every sublayer whole
+# (["model", "loss", "norm", "swiglu"]).
+OURS = {"hybridtitan": ("norm", "swiglu"), "hybridtitan-fla-swiglu": ("norm",),
+        "hybridtitan-compiled-loss": ("loss", "norm"), "hybridtitan-fla-norm": ("loss",), "hybridtitan-eager": (),
+        "hybridtitan-compiled": ("model", "loss", "norm", "swiglu"), "hybridtitan-r3": ("loss",)}
 # hybridtitan as it was measured in docs/benchmarks.md's third measurement, for a before / after in one run: the
 # residual add as its own pass before each norm (FLA's norm kernel), and every sublayer but the last resharding
 # after the forward pass whatever the shard degree
@@ -226,6 +228,7 @@ def build_ours(margs, mesh, device, param_dtype, ac: str, compiled: tuple[str, .
 
     ops.compile_loss("loss" in compiled)
     ops.compile_norms("norm" in compiled)
+    ops.compile_swiglu("swiglu" in compiled)
     return build_parallel_model(margs, mesh, device, ac_mode=ac, compile_model="model" in compiled,
                                 param_dtype=param_dtype)
 
@@ -635,10 +638,12 @@ def settings_text(args, info: dict, device) -> str:
             f"One process (world size 1, {'NCCL' if device.type == 'cuda' else 'gloo'}), FSDP2 fully_shard per "
             f"block + root, {'bf16' if device.type == 'cuda' else 'float32'} params / float32 reduce, "
             f"AdamW(fused=True), seq {args.seq}, warm-up {args.warmup} + {args.steps} timed steps, activation "
-            f"checkpointing {args.ac}; torch.compile: hybridtitan = the recipes' setting (the cross-entropy "
-            f"chunks and the RMSNorms with their residual adds compiled, the rest eager), -fla-norm the chunks "
-            f"only, -eager nothing, -compiled every sublayer whole too; -r3 as measured before the fused residual "
-            f"adds; FLA eager; one shard, so no reshard after the forward pass (both); {alloc}.\n"
+            f"checkpointing {args.ac}; torch.compile: hybridtitan = the recipes' setting (the RMSNorms with "
+            f"their residual adds and the MLPs' SwiGLU passes compiled, each cross-entropy chunk's softmax in our "
+            f"Triton kernel, the rest eager), -fla-swiglu SwiGLU in FLA's kernels, -compiled-loss the norms and "
+            f"the chunks compiled, -fla-norm the chunks only, -eager nothing, -compiled every sublayer whole too; "
+            f"-r3 as measured before the fused residual adds; FLA eager; one shard, so no reshard after the "
+            f"forward pass (both); {alloc}.\n"
             f"Measured bf16 matmul ({args.matmul_size}^3): {info['matmul_flops'] / 1e12:.4g} TFLOP/s; MFU from "
             f"hybridtitan.models.flops (same count for FLA's model of the same configuration). fla-ce: FLA's "
             f"fused cross-entropy over the full logits; fla-flce: its fused linear cross-entropy; ours: the "

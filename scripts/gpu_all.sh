@@ -48,7 +48,7 @@ if [[ " $parts " == *" train "* ]]; then
        --model.flavor zebra_gdn_300M --data.document_boundaries true --training.seq_len 2048
        --training.local_batch_size 8 --training.global_batch_size 8 --training.steps 40 --optimizer.lr 1e-3
        --optimizer.implementation fused --lr_scheduler.warmup_steps 10 --checkpoint.interval 20
-       --checkpoint.keep_latest_k 0 --compile.enable true --compile.components norm --metrics.log_freq 1
+       --checkpoint.keep_latest_k 0 --compile.enable true --compile.components norm,swiglu --metrics.log_freq 1
        --metrics.enable_tensorboard false"
   rm -rf /tmp/straight /tmp/resumed
   timeout "${TRAIN_S:-150}" $run --job.dump_folder /tmp/straight 2>&1 | grep -v Warning | tee "$OUT/train.log" \

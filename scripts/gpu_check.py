@@ -153,13 +153,18 @@ def _dt_bias(gen, n, device):
     return _seeded_init(gen, init_dt_bias, n, device)
 
 
-def _with_compiled_norms(fn, *args):
-    """fn(*args) with ops.compile_norms on (the autograd graph it records keeps the compiled backward)."""
-    previous = ops.compile_norms(True)
+def _with_setting(switch, fn, *args):
+    """fn(*args) with an ops switch (ops.compile_norms, ops.compile_swiglu) on; the autograd graph it records
+    keeps the switched backward."""
+    previous = switch(True)
     try:
         return fn(*args)
     finally:
-        ops.compile_norms(previous)
+        switch(previous)
+
+
+def _with_compiled_norms(fn, *args):
+    return _with_setting(ops.compile_norms, fn, *args)
 
 
 def op_cases(sh: Shapes, device: torch.device):
@@ -246,7 +251,7 @@ def op_cases(sh: Shapes, device: torch.device):
     # both outputs side by side, so that the backward gets the sum's own gradient too (the fused add's path)
     add("add_rms_norm (residual add + norm)", "dense B=2", make_add_rms,
         lambda x, residual, weight: torch.cat(ops.add_rms_norm(x, residual, weight, 1e-6), dim=-1))
-    # the same through torch.compile (compile.components = ["norm"], the GPU recipes' setting); the reference
+    # the same through torch.compile (compile.components = ["norm"], in the GPU recipes); the reference
     # runs under use_reference_kernels(), which the switch does not reach
     add("rms_norm compiled", "dense B=2", make_rms,
         lambda x, weight: _with_compiled_norms(ops.rms_norm, x, weight, 1e-6))
@@ -260,6 +265,8 @@ def op_cases(sh: Shapes, device: torch.device):
         return {k: v.to(bf16) for k, v in t.items()}, {}
     add("swiglu_linear (MLP)", "dense B=2", make_swiglu_linear,
         lambda gate, up, weight: ops.swiglu_linear(gate, up, weight))
+    add("swiglu_linear compiled", "dense B=2", make_swiglu_linear,
+        lambda gate, up, weight: _with_setting(ops.compile_swiglu, ops.swiglu_linear, gate, up, weight))
 
     # --- MLA attention: 16 heads, qk 64 (32 nope + 32 rope), v 64
     attn_layouts = layouts + [(f"packed rows=2 {len(sh.cu_rows) - 1} docs", 1, cu_rows)]

@@ -22,12 +22,13 @@ from .cross_entropy import use_triton_chunks as use_triton_loss
 __all__ = [
     "gated_delta_rule", "kda", "simple_gla", "causal_conv1d", "rms_norm", "add_rms_norm", "gated_rms_norm",
     "swiglu_linear", "attention", "linear_cross_entropy", "compile_loss", "use_triton_loss", "compile_norms",
-    "use_reference_kernels",
+    "compile_swiglu", "use_reference_kernels",
     "backend_for",
 ]
 
 _FORCE_REFERENCE = False
 _COMPILED_NORMS = False
+_COMPILED_SWIGLU = False
 
 # KDA's reference computes the per-channel decay between every pair of positions of a chunk: with chunks of 16
 # that costs 16 x the key tensor, and stays exact however strong the decay (no exp(+gamma) is ever formed).
@@ -121,9 +122,15 @@ def _compiled(fn):
     return torch.compile(fn)
 
 
+def _compiled_unless_tracing(fn):
+    # inside a sublayer that torch.compile traces whole (compile.components "model"), Dynamo puts the plain
+    # function into the enclosing graph; the cached compiled wrapper there only draws a warning
+    return fn if torch.compiler.is_compiling() else _compiled(fn)
+
+
 def rms_norm(x, weight, eps):
     if _COMPILED_NORMS and not _FORCE_REFERENCE:
-        return _compiled(reference.rms_norm)(x, weight, eps)
+        return _compiled_unless_tracing(reference.rms_norm)(x, weight, eps)
     if backend_for(x) == "fla":
         return _fla().rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
@@ -133,7 +140,7 @@ def add_rms_norm(x, residual, weight, eps):
     """(rms_norm(x + residual), x + residual): a pre-norm block's residual add and the next norm in one kernel
     (forward and backward), instead of a separate pass over the residual stream for the add."""
     if _COMPILED_NORMS and not _FORCE_REFERENCE:
-        return _compiled(_add_rms_norm_eager)(x, residual, weight, eps)
+        return _compiled_unless_tracing(_add_rms_norm_eager)(x, residual, weight, eps)
     if backend_for(x) == "fla":
         return _fla().add_rms_norm(x, residual, weight, eps)
     return _add_rms_norm_eager(x, residual, weight, eps)
@@ -145,10 +152,51 @@ def gated_rms_norm(x, gate, weight, eps, activation="swish", norm_before_gate=Tr
     return reference.gated_rms_norm(x, gate, weight, eps, activation, norm_before_gate, group_size)
 
 
+def compile_swiglu(enable: bool = True) -> bool:
+    """SwiGLU's elementwise passes (forward, and the backward's, which forms silu(gate) * up again) through
+    torch.compile on every device (the trainer's compile.components = ["swiglu"]) instead of FLA's kernels on
+    GPUs / eager elsewhere. Returns the previous setting."""
+    global _COMPILED_SWIGLU
+    previous, _COMPILED_SWIGLU = _COMPILED_SWIGLU, enable
+    return previous
+
+
+def _swiglu_forward(gate, up):
+    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+def _swiglu_backward(gate, up, grad_h):
+    """d gate, d up and h = silu(gate) * up again, from one pass over gate, up and the gradient of h."""
+    g, u, dh = gate.float(), up.float(), grad_h.float()
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    d_gate = dh * u * sig * (1 + g * (1 - sig))
+    return d_gate.to(gate.dtype), (dh * silu).to(up.dtype), (silu * u).to(gate.dtype)
+
+
+class _CompiledSwiGLULinear(torch.autograd.Function):
+    """swiglu_linear with its elementwise passes compiled: saves gate and up, not the product."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight):
+        ctx.save_for_backward(gate, up, weight)
+        return F.linear(_compiled_unless_tracing(_swiglu_forward)(gate, up), weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate, up, weight = ctx.saved_tensors
+        grad_h = grad_out @ weight
+        d_gate, d_up, h = _compiled_unless_tracing(_swiglu_backward)(gate, up, grad_h)
+        d_weight = grad_out.reshape(-1, grad_out.shape[-1]).t() @ h.reshape(-1, h.shape[-1])
+        return d_gate, d_up, d_weight
+
+
 def swiglu_linear(gate, up, weight):
     """(silu(gate) * up) @ weight.T, without keeping silu(gate) * up for the backward pass: it is formed again
     there, in the same pass that computes the gradients of gate and up. Saves one [tokens, hidden] activation per
     MLP (a quarter of a 300M model's activation memory) for no extra matrix product."""
+    if _COMPILED_SWIGLU and not _FORCE_REFERENCE:
+        return _CompiledSwiGLULinear.apply(gate, up, weight)
     if backend_for(gate) == "fla":
         return _fla().swiglu_linear(gate, up, weight)
     return F.linear(F.silu(gate) * up, weight)
