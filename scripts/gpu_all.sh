@@ -7,7 +7,8 @@
 #   train   zebra_gdn_300M on the shipped corpus with packed documents: 40 steps straight, and the same run
 #           resumed from its step-20 checkpoint; the losses of steps 21-40 compared,
 #   trainspeed  the trainer itself on the gdn_300M and kda_300M recipes (micro-batch 32, the shipped corpus
-#           tokenized into a Megatron shard, and the mock source), 30 steps: its tokens/s against the benchmark's.
+#           tokenized into a Megatron shard, and the mock source), 30 steps: its tokens/s, to set against the
+#           benchmark's (bench).
 # Usage: OUT=results bash scripts/gpu_all.sh [bench|check|record|train|trainspeed ...]   (default: all but
 # trainspeed)
 # Time boxes (seconds) can be changed with BENCH_S, CHECK_S, RECORD_S, TRAIN_S.
@@ -75,7 +76,8 @@ if [[ $parts == *trainspeed* ]]; then
     --tokenizer hybridtitan/assets/tokenizer --output /tmp/speed_data/shard --workers 1 2>&1 | tail -1
   for flavor in ${SPEED_FLAVORS:-gdn_300M kda_300M}; do
     for source in ${SPEED_SOURCES:-megatron mock}; do
-      data="--data.source megatron --data.tokenizer hybridtitan/assets/tokenizer --data.path /tmp/speed_data/shard_00000"
+      data="--data.source megatron --data.tokenizer hybridtitan/assets/tokenizer"
+      data="$data --data.path /tmp/speed_data/shard_00000"
       [[ $source == mock ]] && data="--data.source mock"
       rm -rf /tmp/speed
       echo "== trainer $flavor, $source data"

@@ -300,7 +300,8 @@ def test_checkpoint_checks_before_training(tmp_path, capsys):
      "selective_ac_option must be an integer N >= 1"),
     (["--data.text_field", "nope"], "data.text_field"),
     (["--checkpoint.async_mode", "async_with_pinned_mem"], "checkpoint.async_mode"),
-    (["--compile.enable", "true", "--compile.components", "loss,nrom"], "must name some of model, loss, norm and swiglu"),
+    (["--compile.enable", "true", "--compile.components", "loss,nrom"],
+     "must name some of model, loss, norm and swiglu"),
     (["--parallelism.fsdp_reshard_after_forward", "sometimes"], "invalid choice 'sometimes'"),
 ])
 def test_more_bad_input(tmp_path, capsys, argv, expected):
