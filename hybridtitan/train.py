@@ -334,7 +334,6 @@ class _StepReports:
     rank reads the same flag for the same step."""
 
     def __init__(self, device: torch.device):
-        self.device = device
         self.pending: tuple[int, torch.Tensor, Any] | None = None
         # filled in place: a new tensor from a Python value would be a blocking host-to-device copy
         self.flag = torch.zeros(1, device=device)

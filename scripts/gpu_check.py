@@ -163,10 +163,6 @@ def _with_setting(switch, fn, *args):
         switch(previous)
 
 
-def _with_compiled_norms(fn, *args):
-    return _with_setting(ops.compile_norms, fn, *args)
-
-
 def op_cases(sh: Shapes, device: torch.device):
     """(op, case, make_inputs(gen) -> (tensors dict, kwargs dict), call(**tensors, **kwargs) -> output,
     ref_call or None (None: the same call under ops.use_reference_kernels()))."""
@@ -254,10 +250,10 @@ def op_cases(sh: Shapes, device: torch.device):
     # the same through torch.compile (compile.components = ["norm"], in the GPU recipes); the reference
     # runs under use_reference_kernels(), which the switch does not reach
     add("rms_norm compiled", "dense B=2", make_rms,
-        lambda x, weight: _with_compiled_norms(ops.rms_norm, x, weight, 1e-6))
+        lambda x, weight: _with_setting(ops.compile_norms, ops.rms_norm, x, weight, 1e-6))
     add("add_rms_norm compiled", "dense B=2", make_add_rms,
-        lambda x, residual, weight: torch.cat(_with_compiled_norms(ops.add_rms_norm, x, residual, weight, 1e-6),
-                                              dim=-1))
+        lambda x, residual, weight: torch.cat(
+            _with_setting(ops.compile_norms, ops.add_rms_norm, x, residual, weight, 1e-6), dim=-1))
 
     def make_swiglu_linear(gen, D=4096, dim=1024):
         t = {"gate": _randn(gen, sh.B, sh.T, D, device=device), "up": _randn(gen, sh.B, sh.T, D, device=device),

@@ -32,7 +32,7 @@ def test_gpu_check_dry_run(tmp_path):
     for op in ("gated_delta_rule", "kda", "simple_gla", "swiglu_linear (MLP)", "linear_cross_entropy compiled",
                "linear_cross_entropy eager",
                "attention (MLA)", "rms_norm", "add_rms_norm (residual add + norm)", "rms_norm compiled",
-               "add_rms_norm compiled"):
+               "add_rms_norm compiled", "swiglu_linear compiled"):
         assert op in ops, op
     e2e = [r for r in results if r["section"] == "e2e"]
     assert {r["name"] for r in e2e} >= {"debug_gdn", "debug_kda", "debug_mamba2", "debug_hybrid"}
