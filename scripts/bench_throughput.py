@@ -63,8 +63,10 @@ FLA_MODELS = "gdn_300M,kda_300M"
 # kernels (["norm"], the recipes before); -compiled-loss runs the chunks through torch.compile instead (["loss",
 # "norm"], the recipes before that); -fla-norm leaves the norms to FLA's kernel and compiles the chunks
 # (["loss"]); -eager compiles nothing (the chunks in our kernel); -compiled also compiles every sublayer whole
-# (["model", "loss", "norm", "swiglu"]).
-OURS = {"hybridtitan": ("norm", "swiglu"), "hybridtitan-fla-swiglu": ("norm",),
+# (["model", "loss", "norm", "swiglu"]). -fla-conv is the recipes with FLA's short-convolution kernels instead of
+# ours (ops.use_triton_conv(False); "fla-conv" is not a compile component).
+OURS = {"hybridtitan": ("norm", "swiglu"), "hybridtitan-fla-conv": ("norm", "swiglu", "fla-conv"),
+        "hybridtitan-fla-swiglu": ("norm",),
         "hybridtitan-compiled-loss": ("loss", "norm"), "hybridtitan-fla-norm": ("loss",), "hybridtitan-eager": (),
         "hybridtitan-compiled": ("model", "loss", "norm", "swiglu"), "hybridtitan-r3": ("loss",)}
 # hybridtitan as it was measured in docs/benchmarks.md's third measurement, for a before / after in one run: the
@@ -229,6 +231,7 @@ def build_ours(margs, mesh, device, param_dtype, ac: str, compiled: tuple[str, .
     ops.compile_loss("loss" in compiled)
     ops.compile_norms("norm" in compiled)
     ops.compile_swiglu("swiglu" in compiled)
+    ops.use_triton_conv("fla-conv" not in compiled)  # not a compile setting: FLA's convolution kernels
     return build_parallel_model(margs, mesh, device, ac_mode=ac, compile_model="model" in compiled,
                                 param_dtype=param_dtype)
 
@@ -639,8 +642,9 @@ def settings_text(args, info: dict, device) -> str:
             f"block + root, {'bf16' if device.type == 'cuda' else 'float32'} params / float32 reduce, "
             f"AdamW(fused=True), seq {args.seq}, warm-up {args.warmup} + {args.steps} timed steps, activation "
             f"checkpointing {args.ac}; torch.compile: hybridtitan = the recipes' setting (the RMSNorms with "
-            f"their residual adds and the MLPs' SwiGLU passes compiled, each cross-entropy chunk's softmax in our "
-            f"Triton kernel, the rest eager), -fla-swiglu SwiGLU in FLA's kernels, -compiled-loss the norms and "
+            f"their residual adds and the MLPs' SwiGLU passes compiled, each cross-entropy chunk's softmax and the "
+            f"short convolutions in our Triton kernels, the rest eager), -fla-conv FLA's convolution kernels, "
+            f"-fla-swiglu SwiGLU in FLA's kernels, -compiled-loss the norms and "
             f"the chunks compiled, -fla-norm the chunks only, -eager nothing, -compiled every sublayer whole too; "
             f"-r3 as measured before the fused residual adds; FLA eager; one shard, so no reshard after the "
             f"forward pass (both); {alloc}.\n"

@@ -218,6 +218,20 @@ def op_cases(sh: Shapes, device: torch.device):
                 lambda x, weight, cu_seqlens, bias=None: ops.causal_conv1d(
                     x, weight, bias, "silu", cu_seqlens=cu_seqlens)[0])
 
+    # whole sequences in our kernels (ops.short_conv, the default on GPUs): GDN's q, k, v blocks (a strided
+    # column block of the projection, as the mixer passes it), and Mamba2's one block with a bias
+    for sizes, bias in (((256, 256, 512), False), ((3072,), True)):
+        def make(gen, sizes=sizes, bias=bias):
+            D = sum(sizes)
+            t = {"x": _randn(gen, sh.B, sh.T, D + 16, device=device),
+                 "weight": _randn(gen, D, 4, device=device, scale=0.3)}
+            if bias:
+                t["bias"] = _randn(gen, D, device=device, scale=0.1)
+            return {k: v.to(bf16) for k, v in t.items()}, {}
+        add(f"short_conv D={sum(sizes)}{' +bias' if bias else ''}", "dense B=2", make,
+            lambda x, weight, bias=None, sizes=sizes: torch.cat(ops.short_conv(
+                x[..., :sum(sizes)], weight, bias, "silu", sizes)[0], dim=-1))
+
     # --- norms and SwiGLU (no sequence mixing: dense only)
     def make_gnorm(gen, HV=8, V=64):
         t = {"x": _randn(gen, sh.B, sh.T, HV, V, device=device), "gate": _randn(gen, sh.B, sh.T, HV, V, device=device),

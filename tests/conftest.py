@@ -1,7 +1,11 @@
-"""Shared test setup: offline Hugging Face, quiet FLA on CPU, one thread, a fixed seed for every test."""
+"""Shared test setup: offline Hugging Face, quiet FLA on CPU, one thread, a fixed seed for every test; a runner
+for scripts under Triton's interpreter."""
 
 import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
@@ -28,3 +32,19 @@ def pytest_configure(config):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def run_in_triton_interpreter():
+    """run(script): the script in a fresh process under Triton's interpreter (TRITON_INTERPRET=1 must be set
+    before a kernel is defined, hence the process), where our kernels run on a CPU; it must exit cleanly and
+    print OK last."""
+    repo = Path(__file__).resolve().parents[1]
+
+    def run(script: str, timeout: int = 300) -> None:
+        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo)}
+        proc = subprocess.run([sys.executable, "-c", script], cwd=repo, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    return run

@@ -5,16 +5,9 @@ multiple of the block, and the whole fused linear cross-entropy through the op's
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import torch
 
 from hybridtitan import ops
-
-REPO = Path(__file__).resolve().parents[1]
 
 SCRIPT = r"""
 import torch
@@ -57,11 +50,8 @@ print("OK")
 """
 
 
-def test_kernel_in_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_kernel_in_triton_interpreter(run_in_triton_interpreter):
+    run_in_triton_interpreter(SCRIPT)
 
 
 def test_kernel_choice():

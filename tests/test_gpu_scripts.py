@@ -32,7 +32,7 @@ def test_gpu_check_dry_run(tmp_path):
     for op in ("gated_delta_rule", "kda", "simple_gla", "swiglu_linear (MLP)", "linear_cross_entropy compiled",
                "linear_cross_entropy eager",
                "attention (MLA)", "rms_norm", "add_rms_norm (residual add + norm)", "rms_norm compiled",
-               "add_rms_norm compiled", "swiglu_linear compiled"):
+               "add_rms_norm compiled", "swiglu_linear compiled", "short_conv D=1024"):
         assert op in ops, op
     e2e = [r for r in results if r["section"] == "e2e"]
     assert {r["name"] for r in e2e} >= {"debug_gdn", "debug_kda", "debug_mamba2", "debug_hybrid"}
@@ -176,3 +176,38 @@ def test_gpu_timeline_from_a_trace(tmp_path):
     assert abs(t["idle_ms_per_step"] - 0.070) < 1e-9  # gaps of 10 and 60
     assert abs(t["launch_wait_ms_per_step"] - 0.010) < 1e-9  # c launched 1 us before it began; d 50 us before
     assert "b -> c" in t["summary"] and "c -> d" in t["summary"]
+
+
+def test_gemm_probe_lists_every_product():
+    """scripts/probe_gemm_shapes.py's list of a step's matrix products: the forward products cover every
+    projection weight once per token (the output layer over its chunks, the fused input projections as one),
+    and the input- and weight-gradient products as many FLOPs again."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import probe_gemm_shapes
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    from hybridtitan.models import HybridLM, get_flavor
+
+    tokens = 3 * 4096 + 100  # a last, shorter loss chunk
+    for flavor in ("gdn_300M", "kda_300M"):
+        shapes = probe_gemm_shapes.step_gemms(flavor, tokens, 4096)
+        with torch.device("meta"):
+            model = HybridLM(get_flavor(flavor))
+        weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        weights += model.output_weight.numel() if model.lm_head is None else 0
+        flops = {layout: sum(2 * m * n * k * c for (m, n, k, lay, _), c in shapes.items() if lay == layout)
+                 for layout in ("nt", "nn", "tn")}
+        assert flops["nt"] == flops["nn"] == flops["tn"] == 2 * tokens * weights, (flavor, flops, weights)
+        # the output layer's weight gradient accumulates in float32, once per chunk
+        assert sum(c for (*_, acc), c in shapes.items() if acc) == 4
+
+
+def test_short_conv_bench_dry_run():
+    """The convolution benchmark runs its three cases, both rows (the PyTorch reference on a CPU)."""
+    proc = _run(["scripts/bench_short_conv.py", "--device", "cpu", "--batch", "1", "--seq", "16", "--reps", "1"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [l for l in proc.stdout.splitlines() if " us per forward + backward" in l]
+    assert [r.split(":")[0] for r in rows] == ["gdn_300M", "kda_300M", "zebra_mamba2_300M xBC"], proc.stdout

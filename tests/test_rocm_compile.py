@@ -175,7 +175,7 @@ def test_manifest_is_complete():
 def test_manifest_is_recorded_on_a_gpu_and_covers_every_op():
     """The shipped manifest comes from training steps on a GPU, and holds kernels of every FLA op the models
     call (each mixer dense and with packed documents, the convolution, the norms, SwiGLU + linear, attention)
-    and our cross-entropy kernel."""
+    and our own kernels (the cross-entropy chunks, the short convolution of whole sequences)."""
     manifest = load_manifest(MANIFEST)
     assert not manifest.get("provisional")
     assert "H200" in manifest["device"]
@@ -188,8 +188,13 @@ def test_manifest_is_recorded_on_a_gpu_and_covers_every_op():
     assert varlen == {True, False}  # dense and packed steps were both recorded
     # SwiGLU fused with the down projection: its backward recomputes the product for the weight gradient
     assert any(r["name"] == "swiglu_fwdbwd_kernel" and r["constexprs"].get("HAS_WEIGHT") for r in gpu)
-    # our own kernel: the cross-entropy chunks' softmax and gradient
-    assert any(r["kernel"] == "hybridtitan.ops.cross_entropy_triton:_softmax_cross_entropy_rows" for r in gpu)
+    # our own kernels: the cross-entropy chunks' softmax and gradient, the short convolution's three
+    ours = {r["kernel"].split(":")[1] for r in gpu if r["kernel"].startswith("hybridtitan.ops.")}
+    assert ours >= {"_softmax_cross_entropy_rows", "_short_conv_fwd", "_short_conv_bwd_pre", "_short_conv_bwd_x"}
+    # the short convolution with and without a bias (Mamba2 / the delta rules), and with the rows of a column
+    # block only 8-aligned (KDA's projection is 1160 wide)
+    conv = [r["constexprs"] for r in gpu if r["name"] == "_short_conv_bwd_pre"]
+    assert {c["HAS_BIAS"] for c in conv} == {True, False} and {c["ALIGN"] for c in conv} >= {8, 16}
 
 
 def test_manifest_compiles_for_amd(tmp_path):

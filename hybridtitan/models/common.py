@@ -56,7 +56,7 @@ class ShortConvolution(nn.Module):
 
     def forward(self, x, cu_seqlens=None, cache=None, key="conv"):
         """x: [B, T, D]. With a cache, the state under ``key`` is read and replaced (decoding)."""
-        return fused_short_conv(x, [self], cu_seqlens, cache, key)
+        return fused_short_conv(x, [self], cu_seqlens, cache, key)[0]
 
 
 def fused_linear(x: torch.Tensor, *groups: nn.Linear | tuple[nn.Linear, ...]) -> list[torch.Tensor]:
@@ -73,18 +73,18 @@ def fused_linear(x: torch.Tensor, *groups: nn.Linear | tuple[nn.Linear, ...]) ->
 
 
 def fused_short_conv(x: torch.Tensor, convs: list[ShortConvolution], cu_seqlens=None, cache=None,
-                     key: str = "conv") -> torch.Tensor:
+                     key: str = "conv") -> list[torch.Tensor]:
     """Several short convolutions over the channel blocks of ``x``, as one convolution (depthwise: each channel
-    has its own filter, so concatenating the filters is exact)."""
+    has its own filter, so concatenating the filters is exact); one output per convolution."""
     weight = torch.cat([c.weight for c in convs]).squeeze(1)
     biases = [c.bias for c in convs]
     bias = torch.cat(biases) if all(b is not None for b in biases) else None
     state = cache.get(key) if cache is not None else None
-    y, new_state = ops.causal_conv1d(x, weight, bias, "silu", cu_seqlens=cu_seqlens, initial_state=state,
-                                     output_final_state=cache is not None)
+    ys, new_state = ops.short_conv(x, weight, bias, "silu", [c.weight.shape[0] for c in convs],
+                                   cu_seqlens=cu_seqlens, initial_state=state, output_final_state=cache is not None)
     if cache is not None:
         cache[key] = new_state
-    return y
+    return ys
 
 
 class SwiGLU(nn.Module):

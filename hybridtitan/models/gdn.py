@@ -42,8 +42,7 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = x.shape
         H, HV, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim
         qkv, g, a, b = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj), self.g_proj, self.a_proj, self.b_proj)
-        qkv = fused_short_conv(qkv, [self.q_conv1d, self.k_conv1d, self.v_conv1d], cu_seqlens, cache)
-        q, k, v = qkv.split([H * K, H * K, HV * V], dim=-1)
+        q, k, v = fused_short_conv(qkv, [self.q_conv1d, self.k_conv1d, self.v_conv1d], cu_seqlens, cache)
         o, state = ops.gated_delta_rule(
             q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, HV, V), a, b, self.A_log, self.dt_bias,
             cu_seqlens=cu_seqlens, initial_state=cache.get("recurrent") if cache is not None else None,

@@ -44,8 +44,7 @@ class KimiDeltaAttention(nn.Module):
         H, K, V = self.num_heads, self.head_dim, self.head_v_dim
         qkv, f, g, b = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj), self.f_proj[0], self.g_proj[0],
                                     self.b_proj)
-        qkv = fused_short_conv(qkv, [self.q_conv1d, self.k_conv1d, self.v_conv1d], cu_seqlens, cache)
-        q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
+        q, k, v = fused_short_conv(qkv, [self.q_conv1d, self.k_conv1d, self.v_conv1d], cu_seqlens, cache)
         o, state = ops.kda(
             q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V), self.f_proj[1](f).view(B, T, H, K), b,
             self.A_log, self.dt_bias, cu_seqlens=cu_seqlens,

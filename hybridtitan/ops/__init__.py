@@ -20,15 +20,16 @@ from .cross_entropy import linear_cross_entropy
 from .cross_entropy import use_triton_chunks as use_triton_loss
 
 __all__ = [
-    "gated_delta_rule", "kda", "simple_gla", "causal_conv1d", "rms_norm", "add_rms_norm", "gated_rms_norm",
-    "swiglu_linear", "attention", "linear_cross_entropy", "compile_loss", "use_triton_loss", "compile_norms",
-    "compile_swiglu", "use_reference_kernels",
+    "gated_delta_rule", "kda", "simple_gla", "causal_conv1d", "short_conv", "rms_norm", "add_rms_norm",
+    "gated_rms_norm", "swiglu_linear", "attention", "linear_cross_entropy", "compile_loss", "use_triton_loss",
+    "use_triton_conv", "compile_norms", "compile_swiglu", "use_reference_kernels",
     "backend_for",
 ]
 
 _FORCE_REFERENCE = False
 _COMPILED_NORMS = False
 _COMPILED_SWIGLU = False
+_TRITON_CONV = True
 
 # KDA's reference computes the per-channel decay between every pair of positions of a chunk: with chunks of 16
 # that costs 16 x the key tensor, and stays exact however strong the decay (no exp(+gamma) is ever formed).
@@ -99,6 +100,33 @@ def causal_conv1d(x, weight, bias=None, activation="silu", cu_seqlens=None, init
     if backend_for(x) == "fla":
         return _fla().causal_conv1d(x, weight, bias, activation, cu_seqlens, initial_state, output_final_state)
     return reference.causal_conv1d(x, weight, bias, activation, cu_seqlens, initial_state, output_final_state)
+
+
+def use_triton_conv(enable: bool = True) -> bool:
+    """On GPUs, short convolutions of whole sequences in ``conv_triton``'s kernels (the default) or, off, FLA's.
+    Returns the previous setting."""
+    global _TRITON_CONV
+    previous, _TRITON_CONV = _TRITON_CONV, enable
+    return previous
+
+
+def short_conv(x, weight, bias=None, activation="silu", sizes=None, cu_seqlens=None, initial_state=None,
+               output_final_state=False):
+    """``causal_conv1d`` with its output as one tensor per block of ``sizes`` channels (default: one), e.g. a
+    mixer's q, k and v. Returns (outputs, final state or None). On GPUs, whole sequences without a state go to
+    our kernels (``conv_triton``), which write each block as its own contiguous tensor (no copy when the
+    recurrent kernels take them); packed documents, decoding and other devices get views of one output."""
+    sizes = tuple(sizes) if sizes else (x.shape[-1],)
+    # inside a sublayer that torch.compile traces whole (compile.components "model") FLA's kernel stays: ours
+    # was not measured there
+    if (_TRITON_CONV and backend_for(x) == "fla" and cu_seqlens is None and initial_state is None
+            and not output_final_state and activation in (None, "silu", "swish")
+            and not torch.compiler.is_compiling()):
+        from . import conv_triton
+
+        return list(conv_triton.short_conv(x, weight, bias, activation is not None, sizes)), None
+    y, state = causal_conv1d(x, weight, bias, activation, cu_seqlens, initial_state, output_final_state)
+    return list(y.split(sizes, dim=-1)), state
 
 
 def compile_norms(enable: bool = True) -> bool:
