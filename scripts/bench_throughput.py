@@ -59,7 +59,7 @@ MODELS = "gdn_300M,kda_300M,zebra_gdn_300M,zebra_mamba2_300M,gdn_1B"
 FLA_MODELS = "gdn_300M,kda_300M"
 # hybridtitan's variants: what torch.compile covers. "hybridtitan" is what the recipes run (compile.components =
 # ["norm", "swiglu"]: the RMSNorms with their residual adds fused, the MLPs' SwiGLU passes; each cross-entropy
-# chunk's softmax in our Triton kernel, the GPUs' default; the rest eager); -fla-swiglu leaves SwiGLU to FLA's
+# chunk's softmax and the short convolutions in our Triton kernels, the GPUs' default; the rest eager); -fla-swiglu leaves SwiGLU to FLA's
 # kernels (["norm"], the recipes before); -compiled-loss runs the chunks through torch.compile instead (["loss",
 # "norm"], the recipes before that); -fla-norm leaves the norms to FLA's kernel and compiles the chunks
 # (["loss"]); -eager compiles nothing (the chunks in our kernel); -compiled also compiles every sublayer whole

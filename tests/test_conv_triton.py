@@ -22,7 +22,7 @@ def run(fn, base, w0, b0, grads, dtype, D):
     x = base.to(dtype).clone().requires_grad_()
     w = w0.to(dtype).clone().requires_grad_()
     b = b0.to(dtype).clone().requires_grad_() if b0 is not None else None
-    outs = fn(x[..., :D], w, b)  # the first D of D + 5 channels: rows strided, as a projection's column block
+    outs = fn(x[..., :D], w, b)  # the first D channels of more: rows strided, as a projection's column block
     sum((o.float() * g).sum() for o, g in zip(outs, grads) if g is not None).backward()
     got = [torch.cat([o.float() for o in outs], -1), x.grad.float(), w.grad.float()]
     return got + ([b.grad.float()] if b is not None else []), outs
@@ -40,7 +40,7 @@ for config, (B, T, sizes, W, bias, silu, dtype, given) in [(c, case) for c in co
     for kernel in (conv_triton._short_conv_fwd, conv_triton._short_conv_bwd_pre, conv_triton._short_conv_bwd_x):
         kernel.configs, kernel.cache = [config], {}
     D = sum(sizes)
-    base = torch.randn(B, T, D + 5)
+    base = torch.randn(B, T, D + (8 if B == 1 else 5))  # rows 8-aligned (as KDA's projection) or odd
     w0, b0 = torch.randn(D, W) * 0.4, (torch.randn(D) * 0.1 if bias else None)
     grads = [torch.randn(B, T, n) if g else None for n, g in zip(sizes, given)]
     act = "silu" if silu else None

@@ -1,6 +1,8 @@
 """Every compute kernel of the models, chosen in one place.
 
-A tensor on a GPU (CUDA or ROCm: PyTorch calls both "cuda") goes to FLA's Triton kernels (``fla_backend``);
+A tensor on a GPU (CUDA or ROCm: PyTorch calls both "cuda") goes to FLA's Triton kernels (``fla_backend``), or
+to Triton kernels of our own where they are faster (the cross-entropy chunks, ``cross_entropy_triton``; the
+short convolution of whole sequences, ``conv_triton``), or through torch.compile where the trainer asks for it;
 anything else to the chunked PyTorch reference (``reference``), which computes the same algorithm. Model code
 calls these functions and never chooses a kernel itself. ``use_reference_kernels()`` forces the reference on
 any device, for parity checks.
