@@ -1,9 +1,9 @@
 """How fast each matrix product of a training step runs on its own, per BLAS library.
 
 The GEMMs are most of a 300M model's step (docs/benchmarks.md: ~171 of ~260 ms for gdn_300M). This lists every
-product of one step of a flavor (forward, input gradient, weight gradient; the output layer by chunks, its
-weight gradient accumulated in float32 in the GEMM, as ``ops.linear_cross_entropy`` does), times each shape
-alone, and sums them with their counts: what the step's GEMMs would cost at those speeds, under each library
+projection's products in one step of a flavor (forward, input gradient, weight gradient; the output layer by
+chunks, its weight gradient accumulated in float32 in the GEMM, as ``ops.linear_cross_entropy`` does; not the
+products inside the recurrent kernels or attention), times each shape alone, and sums them with their counts: what the step's GEMMs would cost at those speeds, under each library
 torch can use (``torch.backends.cuda.preferred_blas_library``).
 
     python scripts/probe_gemm_shapes.py [--flavor gdn_300M] [--tokens 65536] [--libs cublas,cublaslt]
