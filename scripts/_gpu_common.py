@@ -1,6 +1,6 @@
-"""Helpers shared by scripts/gpu_check.py and scripts/bench_throughput.py (not a public module).
+"""Helpers shared by the GPU scripts (gpu_check, bench_throughput, the probes; not a public module).
 
-Error measures, tables, the process group of one that FSDP2 needs, the CUDA allocator setting of the trainer,
+Error measures, a timer, tables, the process group of one that FSDP2 needs, the CUDA allocator setting of the trainer,
 and the FLA Hugging Face twin of a pure GDN / KDA model (its configuration and the state-dict name mapping).
 """
 
@@ -13,6 +13,7 @@ import os
 import platform
 import sys
 import tempfile
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -115,6 +116,36 @@ def init_process_group_of_one(device: torch.device):
         store = tempfile.NamedTemporaryFile(prefix="hybridtitan-pg-", delete=False).name
         dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
     return build_mesh(DataParallel(1, 1), device.type)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Timer:
+    """CUDA events on a GPU, perf_counter on a CPU; seconds."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __enter__(self):
+        sync(self.device)
+        if self.device.type == "cuda":
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            self.end.record()
+            sync(self.device)
+            self.seconds = self.start.elapsed_time(self.end) / 1e3
+        else:
+            self.seconds = time.perf_counter() - self.t0
+        return False
 
 
 def destroy_process_group() -> None:

@@ -10,9 +10,9 @@ FLA row includes those copies). Prints microseconds per forward + backward and t
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from _gpu_common import Timer
 
 # (name, the fused projection's width, the convolved blocks): the 300M flavors
 CASES = (("gdn_300M", 1552, (256, 256, 512)), ("kda_300M", 1160, (256, 256, 512)),
@@ -27,7 +27,6 @@ def time_conv(width: int, sizes: tuple[int, ...], ours: bool, batch: int, seq: i
     proj = torch.randn(batch, seq, width, device=device, dtype=torch.bfloat16, requires_grad=True)
     weight = (torch.randn(D, 4, device=device) * 0.3).to(torch.bfloat16).requires_grad_()
     grads = [torch.randn(batch, seq, n, device=device, dtype=torch.bfloat16) for n in sizes]
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     previous = ops.use_triton_conv(ours)
     try:
         def step():
@@ -36,12 +35,10 @@ def time_conv(width: int, sizes: tuple[int, ...], ours: bool, batch: int, seq: i
 
         for _ in range(3):  # autotune, compile
             step()
-        sync()
-        start = time.perf_counter()
-        for _ in range(reps):
-            step()
-        sync()
-        return (time.perf_counter() - start) / reps * 1e6
+        with Timer(device) as timer:
+            for _ in range(reps):
+                step()
+        return timer.seconds / reps * 1e6
     finally:
         ops.use_triton_conv(previous)
 

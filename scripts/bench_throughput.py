@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 from _gpu_common import (  # noqa: E402
+    Timer,
     fla_config,
     fla_model_class,
     format_table,
@@ -50,6 +51,7 @@ from _gpu_common import (  # noqa: E402
     is_pure_fla_model,
     one_line,
     set_expandable_segments,
+    sync,
     versions,
     write_json,
 )
@@ -59,12 +61,12 @@ MODELS = "gdn_300M,kda_300M,zebra_gdn_300M,zebra_mamba2_300M,gdn_1B"
 FLA_MODELS = "gdn_300M,kda_300M"
 # hybridtitan's variants: what torch.compile covers. "hybridtitan" is what the recipes run (compile.components =
 # ["norm", "swiglu"]: the RMSNorms with their residual adds fused, the MLPs' SwiGLU passes; each cross-entropy
-# chunk's softmax and the short convolutions in our Triton kernels, the GPUs' default; the rest eager); -fla-swiglu leaves SwiGLU to FLA's
-# kernels (["norm"], the recipes before); -compiled-loss runs the chunks through torch.compile instead (["loss",
-# "norm"], the recipes before that); -fla-norm leaves the norms to FLA's kernel and compiles the chunks
-# (["loss"]); -eager compiles nothing (the chunks in our kernel); -compiled also compiles every sublayer whole
-# (["model", "loss", "norm", "swiglu"]). -fla-conv is the recipes with FLA's short-convolution kernels instead of
-# ours (ops.use_triton_conv(False); "fla-conv" is not a compile component).
+# chunk's softmax and the short convolutions in our Triton kernels, the GPUs' default; the rest eager);
+# -fla-swiglu leaves SwiGLU to FLA's kernels (["norm"], the recipes before); -compiled-loss runs the chunks
+# through torch.compile instead (["loss", "norm"], the recipes before that); -fla-norm leaves the norms to FLA's
+# kernel and compiles the chunks (["loss"]); -eager compiles nothing (the chunks in our kernel); -compiled also
+# compiles every sublayer whole (["model", "loss", "norm", "swiglu"]). -fla-conv is the recipes with FLA's
+# short-convolution kernels instead of ours (ops.use_triton_conv(False); "fla-conv" is not a compile component).
 OURS = {"hybridtitan": ("norm", "swiglu"), "hybridtitan-fla-conv": ("norm", "swiglu", "fla-conv"),
         "hybridtitan-fla-swiglu": ("norm",),
         "hybridtitan-compiled-loss": ("loss", "norm"), "hybridtitan-fla-norm": ("loss",), "hybridtitan-eager": (),
@@ -138,36 +140,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ================================================================================================ measurement
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class Timer:
-    """CUDA events on a GPU, perf_counter on a CPU; seconds."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def __enter__(self):
-        sync(self.device)
-        if self.device.type == "cuda":
-            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            self.end.record()
-            sync(self.device)
-            self.seconds = self.start.elapsed_time(self.end) / 1e3
-        else:
-            self.seconds = time.perf_counter() - self.t0
-        return False
 
 
 def matmul_rate(device: torch.device, n: int, warmup: int = 3, iters: int = 10) -> float:

@@ -3,8 +3,9 @@
 The GEMMs are most of a 300M model's step (docs/benchmarks.md: ~171 of ~260 ms for gdn_300M). This lists every
 projection's products in one step of a flavor (forward, input gradient, weight gradient; the output layer by
 chunks, its weight gradient accumulated in float32 in the GEMM, as ``ops.linear_cross_entropy`` does; not the
-products inside the recurrent kernels or attention), times each shape alone, and sums them with their counts: what the step's GEMMs would cost at those speeds, under each library
-torch can use (``torch.backends.cuda.preferred_blas_library``).
+products inside the recurrent kernels or attention), times each shape alone, and sums them with their counts:
+what the step's GEMMs would cost at those speeds, under each library torch can use
+(``torch.backends.cuda.preferred_blas_library``).
 
     python scripts/probe_gemm_shapes.py [--flavor gdn_300M] [--tokens 65536] [--libs cublas,cublaslt]
 """
@@ -15,6 +16,7 @@ import argparse
 from collections import Counter
 
 import torch
+from _gpu_common import Timer
 
 
 def step_gemms(flavor: str, tokens: int, loss_chunk: int) -> Counter:
@@ -71,13 +73,10 @@ def time_gemm(m: int, n: int, k: int, layout: str, fp32_acc: bool, reps: int) ->
 
     for _ in range(3):
         run()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        run()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+    with Timer(a.device) as timer:
+        for _ in range(reps):
+            run()
+    return timer.seconds * 1e3 / reps
 
 
 def main() -> None:

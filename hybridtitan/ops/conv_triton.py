@@ -145,6 +145,7 @@ class ShortConv(torch.autograd.Function):
         if x.stride(-1) != 1:
             x = x.contiguous()
         weight = weight.contiguous()
+        align = _row_alignment(x.stride(0), x.stride(1))
         outputs, c0 = [], 0
         for n in sizes:
             y = torch.empty(B, T, n, dtype=x.dtype, device=x.device)
@@ -153,7 +154,7 @@ class ShortConv(torch.autograd.Function):
                 _short_conv_fwd[grid](
                     x, weight, bias if bias is not None else weight, y, T, n, c0, x.stride(0), x.stride(1),
                     y.stride(0), y.stride(1), W=weight.shape[1], HAS_BIAS=bias is not None, SILU=silu,
-                    ALIGN=_row_alignment(x.stride(0), x.stride(1)), BT=BT_FWD)
+                    ALIGN=align, BT=BT_FWD)
             outputs.append(y)
             c0 += n
         ctx.save_for_backward(x, weight, bias)
@@ -171,6 +172,7 @@ class ShortConv(torch.autograd.Function):
         # every (row, channel) is written once: the blocks of ``sizes`` cover the channels
         dw_part = torch.empty(rows, W, D, dtype=torch.float32, device=x.device)
         db_part = torch.empty(rows, D, dtype=torch.float32, device=x.device) if bias is not None else dw_part
+        align = _row_alignment(x.stride(0), x.stride(1))
         c0 = 0
         for n, dy in zip(ctx.sizes, grads):
             if dy is None:  # an output that took no part in the loss
@@ -182,7 +184,7 @@ class ShortConv(torch.autograd.Function):
                 _short_conv_bwd_pre[grid](
                     x, weight, bias if bias is not None else weight, dy, dpre, dw_part, db_part, T, n, c0, D,
                     x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), W=W, HAS_BIAS=bias is not None,
-                    SILU=ctx.silu, ALIGN=_row_alignment(x.stride(0), x.stride(1)), BT=BT_BWD)
+                    SILU=ctx.silu, ALIGN=align, BT=BT_BWD)
             c0 += n
         if B and T:
             grid = lambda meta: (triton.cdiv(T, BT_FWD), triton.cdiv(D, meta["BD"]), B)  # noqa: E731
