@@ -107,6 +107,11 @@ class Training:
     loss_chunk_size: int = 4096
     """Tokens per chunk of the fused linear cross-entropy (its extra memory is one chunk of logits)"""
 
+    cuda_graphs: bool = False
+    """GPU: replay the recurrent mixers' FLA calls from CUDA graphs captured in the first step (whole sequences;
+    packed documents run eagerly). Much less host time per step for more memory (each layer keeps its own
+    inputs, outputs and input gradients): for small micro-batches, where the host's kernel launches set the pace"""
+
 
 @dataclass
 class Checkpoint:

@@ -245,6 +245,10 @@ def train(cfg, plan: Plan) -> dict:
     ops.compile_loss(compiles(cfg, "loss"))
     ops.compile_norms(compiles(cfg, "norm"))  # RMSNorm and the residual add before it
     ops.compile_swiglu(compiles(cfg, "swiglu"))  # the MLPs' silu(gate) * up, forward and backward
+    ops.use_cuda_graphs(cfg.training.cuda_graphs)
+    if cfg.training.cuda_graphs and cfg.data.document_boundaries:
+        logger.warning("training.cuda_graphs: with packed documents (data.document_boundaries) the mixers run "
+                       "eagerly; only whole sequences are replayed from CUDA graphs")
 
     optimizer = build_optimizer(model, cfg)
     lr_scheduler = build_lr_scheduler(optimizer, cfg)

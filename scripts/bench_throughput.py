@@ -26,6 +26,7 @@ the run goes on past a failing one; --json is rewritten after every case, so a r
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import gc
 import gzip
@@ -67,7 +68,9 @@ FLA_MODELS = "gdn_300M,kda_300M"
 # kernel and compiles the chunks (["loss"]); -eager compiles nothing (the chunks in our kernel); -compiled also
 # compiles every sublayer whole (["model", "loss", "norm", "swiglu"]). -fla-conv is the recipes with FLA's
 # short-convolution kernels instead of ours (ops.use_triton_conv(False); "fla-conv" is not a compile component).
+# -graphs is the recipes with the recurrent mixers' FLA calls replayed from CUDA graphs (ops.use_cuda_graphs).
 OURS = {"hybridtitan": ("norm", "swiglu"), "hybridtitan-fla-conv": ("norm", "swiglu", "fla-conv"),
+        "hybridtitan-graphs": ("norm", "swiglu", "graphs"),
         "hybridtitan-fla-swiglu": ("norm",),
         "hybridtitan-compiled-loss": ("loss", "norm"), "hybridtitan-fla-norm": ("loss",), "hybridtitan-eager": (),
         "hybridtitan-compiled": ("model", "loss", "norm", "swiglu"), "hybridtitan-r3": ("loss",)}
@@ -204,6 +207,7 @@ def build_ours(margs, mesh, device, param_dtype, ac: str, compiled: tuple[str, .
     ops.compile_norms("norm" in compiled)
     ops.compile_swiglu("swiglu" in compiled)
     ops.use_triton_conv("fla-conv" not in compiled)  # not a compile setting: FLA's convolution kernels
+    ops.use_cuda_graphs("graphs" in compiled)  # nor this
     return build_parallel_model(margs, mesh, device, ac_mode=ac, compile_model="model" in compiled,
                                 param_dtype=param_dtype)
 
@@ -370,8 +374,8 @@ def profile_steps(args, device, step, batches, tag: str) -> dict:
         shutil.copyfileobj(src, dst)
     os.remove(raw)
     table_path = os.path.join(folder, f"profile_{tag}.txt")
-    with open(table_path, "w") as f:
-        f.write(table + "\n")
+    with open(table_path, "w") as f:  # with every kernel's total, which the printout leaves out
+        f.write(table + "\n" + (timeline["kernels"] + "\n" if timeline else ""))
     print(f"profile of 3 steps ({tag}):\n{table}", flush=True)
     return {"trace": raw + ".gz", "table": table_path, "timeline": timeline}
 
@@ -419,8 +423,16 @@ def gpu_timeline(trace_path: str, wall_ms: float, steps: int, gap_floor_us: floa
              "largest gaps: us | launched us before start | after -> before"]
     for gap, lag, before, after in sorted(gaps, reverse=True)[:10]:
         lines.append(f"  {gap:9.1f} | {lag:9.1f} | {before[:50]} -> {after[:50]}")
+    # every kernel, copy and memset by name (the profiler's tables stop at their first rows)
+    total_us, calls = collections.Counter(), collections.Counter()
+    for start, end, name, _ in device_work:
+        total_us[name] += end - start
+        calls[name] += 1
+    kernels = [f"every GPU kernel over {steps} steps: ms/step | calls/step | us/call | name"]
+    kernels += [f"  {us / per:8.3f} | {calls[name] / steps:7.1f} | {us / calls[name]:8.1f} | {name[:120]}"
+                for name, us in total_us.most_common()]
     return {"wall_ms_per_step": wall_ms / steps, "busy_ms_per_step": busy / per, "idle_ms_per_step": idle / per,
-            "launch_wait_ms_per_step": cpu_bound / per, "summary": "\n".join(lines)}
+            "launch_wait_ms_per_step": cpu_bound / per, "summary": "\n".join(lines), "kernels": "\n".join(kernels)}
 
 
 def run_with_retry(args, mesh, device, name: str, impl: str, info: dict) -> dict:

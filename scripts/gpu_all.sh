@@ -30,7 +30,7 @@ fi
 if [[ $parts == *check* ]]; then
   # two processes: a kernel fault leaves the CUDA context unusable, and the end-to-end cases (whole models) are
   # where one was seen (debug_mamba2 packed); CUDA_LAUNCH_BLOCKING there names the kernel that faults
-  timeout "${CHECK_S:-240}" python scripts/gpu_check.py --only ops,fla --json "$OUT/gpu_check.json" 2>&1 \
+  timeout "${CHECK_S:-240}" python scripts/gpu_check.py --only ops,graphs,fla --json "$OUT/gpu_check.json" 2>&1 \
     | tee "$OUT/gpu_check.log" | grep -v "Warning\|warn" | tail -45
   CUDA_LAUNCH_BLOCKING=1 timeout "${CHECK_S:-240}" python scripts/gpu_check.py --only e2e --verbose \
     --json "$OUT/gpu_check_e2e.json" 2>&1 | tee "$OUT/gpu_check_e2e.log" | grep -v "Warning\|warn" | tail -30

@@ -1,5 +1,5 @@
-"""GPU parity: FLA's Triton path against the PyTorch reference kernels, op by op, end to end, and against FLA's
-own Hugging Face classes.
+"""GPU parity: FLA's Triton path against the PyTorch reference kernels, op by op, end to end, replayed from CUDA
+graphs, and against FLA's own Hugging Face classes.
 
     python scripts/gpu_check.py                          # on the GPU: every check, about 1-3 minutes warm
     python scripts/gpu_check.py --only ops,fla --json $OUT/gpu_check.json
@@ -13,6 +13,9 @@ e2e  each debug flavor, same weights and batch (also packed): the loss in float3
      kernels) against the model in bf16 on the GPU (FLA kernels): loss and gradient norm within 1e-2. The whole
      gradient's relative error and the loss of the bf16 model with the reference kernels are shown to tell a
      kernel difference from bf16 rounding.
+graphs  the recurrent mixers' ops and the debug GDN / KDA / Mamba2 models replayed from CUDA graphs
+     (ops.use_cuda_graphs) against the same calls run eagerly: the graphs captured on one input, then replayed
+     on another, must give that input's eager output and gradients (relative error < 1e-5). GPU only.
 fla  pure GDN / KDA models against FLA's GatedDeltaNetForCausalLM / KDAForCausalLM holding the same weights:
      logits in bf16 on the GPU within 1e-2 (dense and packed). Weights go through hybridtitan's exporter
      (python -m hybridtitan.export_hf) when it exists, checked tensor by tensor against this script's own
@@ -70,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="small shapes (sequence 256, vocabulary 8192): a dry run")
-    p.add_argument("--only", default="ops,e2e,fla", help="comma-separated subset of: ops, e2e, fla")
+    p.add_argument("--only", default="ops,e2e,graphs,fla", help="comma-separated subset of: ops, e2e, graphs, fla")
     p.add_argument("--json", default=None, help="write every result to this file")
     p.add_argument("--tol", type=float, default=TOL, help="relative error threshold (default 1e-2)")
     p.add_argument("--e2e-flavors", default=",".join(E2E_FLAVORS))
@@ -87,9 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--verbose", action="store_true", help="print the traceback of a failing case")
     args = p.parse_args(argv)
     args.only = {s.strip() for s in args.only.split(",") if s.strip()}
-    unknown = args.only - {"ops", "e2e", "fla"}
+    unknown = args.only - {"ops", "e2e", "graphs", "fla"}
     if unknown:
-        p.error(f"--only: unknown section(s) {sorted(unknown)}; choose from ops, e2e, fla")
+        p.error(f"--only: unknown section(s) {sorted(unknown)}; choose from ops, e2e, graphs, fla")
     return args
 
 
@@ -446,6 +449,90 @@ def check_e2e(res: Results, args, device) -> None:
                     torch.cuda.empty_cache()
 
 
+# ================================================================================================ CUDA graphs
+
+GRAPH_TOL = 1e-5
+GRAPHED_OPS = {
+    "gated_delta_rule": lambda site, q, k, v, a, b, A_log, dt_bias: ops.gated_delta_rule(
+        q, k, v, a, b, A_log, dt_bias, site=site)[0],
+    "kda": lambda site, q, k, v, a, b, A_log, dt_bias: ops.kda(q, k, v, a, b, A_log, dt_bias, site=site)[0],
+    "simple_gla": lambda site, q, k, v, g: ops.simple_gla(q, k, v, g, scale=1.0, site=site)[0],
+}
+
+
+def _output_and_grads(fn, tensors: dict, grad_seed: int):
+    leaves = {k: _leaf(v) for k, v in tensors.items()}
+    out = fn(**leaves)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(out)
+    (out.float() * grad_out.float()).sum().backward()
+    return out.detach().clone(), {k: v.grad.clone() for k, v in leaves.items() if v.grad is not None}
+
+
+def _graph_row(name: str, case: str, pairs: dict, t0: float) -> dict:
+    errs = {k: rel_err(a, b) for k, (a, b) in pairs.items()}
+    worst = max(errs, key=errs.get)
+    ok = all(math.isfinite(e) and e < GRAPH_TOL for e in errs.values())
+    return {"section": "graphs", "name": name, "case": case, "status": "PASS" if ok else "FAIL", "errs": errs,
+            "worst": worst, "worst_err": errs[worst], "seconds": time.perf_counter() - t0,
+            **({} if ok else {"error": f"{worst}: graphed differs from eager by {errs[worst]:.2e}"})}
+
+
+def check_graphs(res: Results, args, device) -> None:
+    print("\n== graphs: CUDA-graph replays against eager calls", flush=True)
+    if device.type != "cuda":
+        res.add({"section": "graphs", "name": "(all)", "case": "-", "status": "SKIP", "error": "needs a GPU"})
+        return
+    sh = Shapes(args.tiny)
+    makes = {op: make for op, case, make, _, _ in op_cases(sh, device)
+             if op in GRAPHED_OPS and case.startswith("dense")}
+    previous = ops.use_cuda_graphs(True)
+    try:
+        for n, (op, make) in enumerate(makes.items()):
+            try:
+                t0 = time.perf_counter()
+                first, second = (make(torch.Generator().manual_seed(args.seed + n + i))[0] for i in (0, 1))
+                site = torch.nn.Module()  # stands for a layer: the graphs live as long as it does
+                fn = GRAPHED_OPS[op]
+                _output_and_grads(lambda **t: fn(site, **t), first, 1)  # captures on the first input
+                graphed = _output_and_grads(lambda **t: fn(site, **t), second, 2)
+                eager = _output_and_grads(lambda **t: fn(None, **t), second, 2)
+                pairs = {"out": (graphed[0], eager[0]), **{f"d{k}": (graphed[1][k], eager[1][k]) for k in eager[1]}}
+                res.add(_graph_row(op, "captured on one input, replayed on another", pairs, t0))
+            except Exception as e:  # noqa: BLE001
+                res.fail("graphs", op, "replay", e)
+        for flavor in ("debug_gdn", "debug_kda", "debug_mamba2"):
+            try:
+                t0 = time.perf_counter()
+                margs = get_flavor(flavor)
+                torch.manual_seed(args.seed)
+                model = build_model(margs, device).to(torch.bfloat16)
+                model.init_weights()
+                model.train()
+                batches = [e2e_batch(margs.vocab_size, args.tiny, args.seed + i)[:2] for i in (1, 2)]
+                batches = [(ids.to(device), labels.to(device)) for ids, labels in batches]
+
+                def loss_and_grads(graphs: bool, model=model, batches=batches):
+                    ops.use_cuda_graphs(graphs)
+                    for ids, labels in batches:  # the last batch's; with graphs, captured on the first
+                        model.zero_grad(set_to_none=True)
+                        loss = model(ids, labels=labels)
+                        loss.backward()
+                    return loss.detach().float(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                                    if p.grad is not None}
+
+                loss_g, grads_g = loss_and_grads(True)
+                loss_e, grads_e = loss_and_grads(False)
+                pairs = {"loss": (loss_g, loss_e), **{n: (grads_g[n], grads_e[n]) for n in grads_e}}
+                res.add(_graph_row(flavor, "model, two batches, eager vs graphed", pairs, t0))
+                del model
+            except Exception as e:  # noqa: BLE001
+                res.fail("graphs", flavor, "model", e)
+            finally:
+                torch.cuda.empty_cache()
+    finally:
+        ops.use_cuda_graphs(previous)
+
+
 # ================================================================================================ FLA HF classes
 
 
@@ -647,7 +734,7 @@ def main(argv=None) -> int:
           f"{' [tiny]' if args.tiny else ''}", flush=True)
     res = Results(args.verbose)
     t0 = time.perf_counter()
-    for section, fn in (("ops", check_ops), ("e2e", check_e2e), ("fla", check_fla)):
+    for section, fn in (("ops", check_ops), ("e2e", check_e2e), ("graphs", check_graphs), ("fla", check_fla)):
         if section in args.only:
             t1 = time.perf_counter()
             try:

@@ -176,6 +176,10 @@ def test_gpu_timeline_from_a_trace(tmp_path):
     assert abs(t["idle_ms_per_step"] - 0.070) < 1e-9  # gaps of 10 and 60
     assert abs(t["launch_wait_ms_per_step"] - 0.010) < 1e-9  # c launched 1 us before it began; d 50 us before
     assert "b -> c" in t["summary"] and "c -> d" in t["summary"]
+    # every kernel's total, largest first: the union above does not apply there (a and b overlap)
+    rows = t["kernels"].splitlines()[1:]
+    assert [r.split("|")[-1].strip() for r in rows] == ["b", "a", "c", "d"]
+    assert float(rows[0].split("|")[0]) == 0.015
 
 
 def test_gemm_probe_lists_every_product():

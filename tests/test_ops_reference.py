@@ -219,6 +219,15 @@ def test_gated_delta_rule_op_vs_fla_naive(cu_seqlens, with_h0, decay):
     o2, s2 = ops.gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cu_seqlens=cu, initial_state=h0)
     assert s2 is None and rel_err(o2, o_ref) < TOL
 
+    # CUDA graphs and the call site that keys them change nothing off the GPU (scripts/gpu_check.py checks them)
+    previous = ops.use_cuda_graphs(True)
+    try:
+        o3, _ = ops.gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cu_seqlens=cu, initial_state=h0,
+                                     site=torch.nn.Module())
+    finally:
+        ops.use_cuda_graphs(previous)
+    assert torch.equal(o3, o2)
+
 
 @pytest.mark.parametrize("cu_seqlens, with_h0, decay", OP_CASES)
 def test_kda_op_vs_fla_naive(cu_seqlens, with_h0, decay):

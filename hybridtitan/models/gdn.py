@@ -46,7 +46,7 @@ class GatedDeltaNet(nn.Module):
         o, state = ops.gated_delta_rule(
             q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, HV, V), a, b, self.A_log, self.dt_bias,
             cu_seqlens=cu_seqlens, initial_state=cache.get("recurrent") if cache is not None else None,
-            output_final_state=cache is not None,
+            output_final_state=cache is not None, site=self,
         )
         if cache is not None:
             cache["recurrent"] = state

@@ -49,6 +49,7 @@ class KimiDeltaAttention(nn.Module):
             q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V), self.f_proj[1](f).view(B, T, H, K), b,
             self.A_log, self.dt_bias, cu_seqlens=cu_seqlens,
             initial_state=cache.get("recurrent") if cache is not None else None, output_final_state=cache is not None,
+            site=self,
         )
         if cache is not None:
             cache["recurrent"] = state

@@ -53,7 +53,7 @@ class Mamba2(nn.Module):
         y, state = ops.simple_gla(
             Cm, Bm, (x * dt.unsqueeze(-1)).to(x.dtype), A * dt, scale=1.0, cu_seqlens=cu_seqlens,
             initial_state=cache.get("recurrent") if cache is not None else None,
-            output_final_state=cache is not None,
+            output_final_state=cache is not None, site=self,
         )
         if cache is not None:
             cache["recurrent"] = state

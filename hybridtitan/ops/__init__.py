@@ -5,7 +5,8 @@ to Triton kernels of our own where they are faster (the cross-entropy chunks, ``
 short convolution of whole sequences, ``conv_triton``), or through torch.compile where the trainer asks for it;
 anything else to the chunked PyTorch reference (``reference``), which computes the same algorithm. Model code
 calls these functions and never chooses a kernel itself. ``use_reference_kernels()`` forces the reference on
-any device, for parity checks.
+any device, for parity checks. ``use_cuda_graphs()`` replays the recurrent mixers' FLA calls from CUDA graphs
+(``cuda_graphs``; the calling layer passes itself as ``site``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .cross_entropy import use_triton_chunks as use_triton_loss
 __all__ = [
     "gated_delta_rule", "kda", "simple_gla", "causal_conv1d", "short_conv", "rms_norm", "add_rms_norm",
     "gated_rms_norm", "swiglu_linear", "attention", "linear_cross_entropy", "compile_loss", "use_triton_loss",
-    "use_triton_conv", "compile_norms", "compile_swiglu", "use_reference_kernels",
+    "use_triton_conv", "use_cuda_graphs", "compile_norms", "compile_swiglu", "use_reference_kernels",
     "backend_for",
 ]
 
@@ -32,6 +33,7 @@ _FORCE_REFERENCE = False
 _COMPILED_NORMS = False
 _COMPILED_SWIGLU = False
 _TRITON_CONV = True
+_CUDA_GRAPHS = False
 
 # KDA's reference computes the per-channel decay between every pair of positions of a chunk: with chunks of 16
 # that costs 16 x the key tensor, and stays exact however strong the decay (no exp(+gamma) is ever formed).
@@ -61,11 +63,33 @@ def backend_for(x: torch.Tensor) -> str:
     return "fla" if (x.is_cuda and not _FORCE_REFERENCE) else "torch"
 
 
-def gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None, initial_state=None, output_final_state=False):
+def use_cuda_graphs(enable: bool = True) -> bool:
+    """On GPUs, the recurrent mixers' FLA calls of whole sequences in training replayed from CUDA graphs, one
+    pair per calling layer (``cuda_graphs``; the ops' ``site`` argument names the layer). Returns the previous
+    setting."""
+    global _CUDA_GRAPHS
+    previous, _CUDA_GRAPHS = _CUDA_GRAPHS, enable
+    return previous
+
+
+def _fla_mixer(name: str, site, tensors: tuple, cu_seqlens, initial_state, output_final_state, *extra):
+    """FLA's ``name`` op, through the site's CUDA graphs where they apply (whole sequences, no state)."""
+    fn = getattr(_fla(), name)
+    if _CUDA_GRAPHS and site is not None and cu_seqlens is None and initial_state is None and not output_final_state:
+        from . import cuda_graphs
+
+        return cuda_graphs.graphed_call(site, lambda *t: fn(*t, *extra, None, None, False)[0], *tensors), None
+    return fn(*tensors, *extra, cu_seqlens, initial_state, output_final_state)
+
+
+def gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None, initial_state=None, output_final_state=False,
+                     site=None):
     """Gated DeltaNet core. q, k: [B, T, H, K] before their L2 norm; v: [B, T, HV, V]; a, b: [B, T, HV] raw gate
-    and beta logits. decay = -exp(A_log) * softplus(a + dt_bias) (float32), beta = sigmoid(b)."""
+    and beta logits. decay = -exp(A_log) * softplus(a + dt_bias) (float32), beta = sigmoid(b). ``site``: any
+    object naming the calling layer, for state the GPU path keeps per layer (CUDA graphs); ignored elsewhere."""
     if backend_for(q) == "fla":
-        return _fla().gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state, output_final_state)
+        return _fla_mixer("gated_delta_rule", site, (q, k, v, a, b, A_log, dt_bias), cu_seqlens, initial_state,
+                          output_final_state)
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
     return reference.chunk_delta_rule(
         reference.l2norm(q.float()), reference.l2norm(k.float()), v, g, torch.sigmoid(b.float()),
@@ -74,11 +98,12 @@ def gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None, initial_sta
     )
 
 
-def kda(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None, initial_state=None, output_final_state=False):
+def kda(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None, initial_state=None, output_final_state=False, site=None):
     """Kimi Delta Attention core. As ``gated_delta_rule`` but a: [B, T, HV, K] (one decay per key channel),
     dt_bias: [HV * K]."""
     if backend_for(q) == "fla":
-        return _fla().kda(q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state, output_final_state)
+        return _fla_mixer("kda", site, (q, k, v, a, b, A_log, dt_bias), cu_seqlens, initial_state,
+                          output_final_state)
     HV, K = a.shape[-2], a.shape[-1]
     g = -A_log.float().view(HV, 1).exp() * F.softplus(a.float() + dt_bias.float().view(HV, K))
     return reference.chunk_delta_rule(
@@ -88,10 +113,10 @@ def kda(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None, initial_state=None, outp
     )
 
 
-def simple_gla(q, k, v, g, scale=None, cu_seqlens=None, initial_state=None, output_final_state=False):
+def simple_gla(q, k, v, g, scale=None, cu_seqlens=None, initial_state=None, output_final_state=False, site=None):
     """Linear attention with a scalar log decay g: [B, T, H] per head (Mamba2's SSD with q=C, k=B, v=x*dt)."""
     if backend_for(q) == "fla":
-        return _fla().simple_gla(q, k, v, g, scale, cu_seqlens, initial_state, output_final_state)
+        return _fla_mixer("simple_gla", site, (q, k, v, g), cu_seqlens, initial_state, output_final_state, scale)
     return reference.chunk_simple_gla(q, k, v, g.float(), scale=scale, initial_state=initial_state,
                                       output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
