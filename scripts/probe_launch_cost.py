@@ -1,9 +1,9 @@
 """How much host (CPU) time one call of each recurrent mixer's GPU op costs, forward and backward.
 
-KDA's training step is partly set by how fast the host launches kernels (docs/benchmarks.md: the GPU waits for
-launches). This measures the host side alone: at tiny shapes the GPU finishes each kernel long before the next
-is launched, so the wall time per call is the host's cost of the call (Python, autograd, Triton's launcher).
-Then cProfile says where in the call that time goes.
+At small micro-batches the training step is set by how fast the host launches kernels (docs/benchmarks.md,
+eighth measurement: what training.cuda_graphs removes). This measures the host side alone: at tiny shapes the
+GPU finishes each kernel long before the next is launched, so the wall time per call is the host's cost of the
+call (Python, autograd, Triton's launcher). Then cProfile says where in the call that time goes.
 
     python scripts/probe_launch_cost.py [--calls 200] [--top 25]
 """
