@@ -112,7 +112,9 @@ def _eligible(args) -> bool:
 
 
 def graphed_call(site, fn, *args: torch.Tensor) -> torch.Tensor:
-    """fn(*args) (a tensor output; ``args`` all tensors) through the site's CUDA graphs where possible."""
+    """fn(*args) (a tensor output; ``args`` all tensors) through the site's CUDA graphs where possible. What
+    ``fn`` holds besides ``args`` (a scale, say) is captured with it: it must be the same at every call of a
+    site."""
     if site is None or not _eligible(args):
         return fn(*args)
     captured = _SITES.setdefault(site, {})
