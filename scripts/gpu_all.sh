@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything the GPU issues ask for, on one GPU, each part time-boxed, logs in $OUT:
 #   bench   throughput against FLA's models and the anchors (bench_throughput.py, with a profile of gdn_300M),
-#   check   parity of every kernel and of FLA's HF classes with the PyTorch reference (gpu_check.py), and the
-#           gated delta rule's gate gradients over seeds (probe_gate_grads.py),
+#   check   parity of every kernel and of FLA's HF classes with the PyTorch reference, and CUDA-graph replays
+#           against eager calls (gpu_check.py); the gated delta rule's gate gradients over seeds
+#           (probe_gate_grads.py),
 #   record  the Triton kernel manifest of one training step per debug and 300M flavor (ROCm compile check),
 #   train   zebra_gdn_300M on the shipped corpus with packed documents: 40 steps straight, and the same run
 #           resumed from its step-20 checkpoint; the losses of steps 21-40 compared,

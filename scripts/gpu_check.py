@@ -157,8 +157,8 @@ def _dt_bias(gen, n, device):
 
 
 def _with_setting(switch, fn, *args):
-    """fn(*args) with an ops switch (ops.compile_norms, ops.compile_swiglu) on; the autograd graph it records
-    keeps the switched backward."""
+    """fn(*args) with an ops switch (ops.compile_norms, ops.compile_swiglu, ops.use_cuda_graphs) on; the
+    autograd graph it records keeps the switched backward."""
     previous = switch(True)
     try:
         return fn(*args)
@@ -485,52 +485,47 @@ def check_graphs(res: Results, args, device) -> None:
     sh = Shapes(args.tiny)
     makes = {op: make for op, case, make, _, _ in op_cases(sh, device)
              if op in GRAPHED_OPS and case.startswith("dense")}
-    previous = ops.use_cuda_graphs(True)
-    try:
-        for n, (op, make) in enumerate(makes.items()):
-            try:
-                t0 = time.perf_counter()
-                first, second = (make(torch.Generator().manual_seed(args.seed + n + i))[0] for i in (0, 1))
-                site = torch.nn.Module()  # stands for a layer: the graphs live as long as it does
-                fn = GRAPHED_OPS[op]
-                _output_and_grads(lambda **t: fn(site, **t), first, 1)  # captures on the first input
-                graphed = _output_and_grads(lambda **t: fn(site, **t), second, 2)
-                eager = _output_and_grads(lambda **t: fn(None, **t), second, 2)
-                pairs = {"out": (graphed[0], eager[0]), **{f"d{k}": (graphed[1][k], eager[1][k]) for k in eager[1]}}
-                res.add(_graph_row(op, "captured on one input, replayed on another", pairs, t0))
-            except Exception as e:  # noqa: BLE001
-                res.fail("graphs", op, "replay", e)
-        for flavor in ("debug_gdn", "debug_kda", "debug_mamba2"):
-            try:
-                t0 = time.perf_counter()
-                margs = get_flavor(flavor)
-                torch.manual_seed(args.seed)
-                model = build_model(margs, device).to(torch.bfloat16)
-                model.init_weights()
-                model.train()
-                batches = [e2e_batch(margs.vocab_size, args.tiny, args.seed + i)[:2] for i in (1, 2)]
-                batches = [(ids.to(device), labels.to(device)) for ids, labels in batches]
+    for n, (op, make) in enumerate(makes.items()):
+        try:
+            t0 = time.perf_counter()
+            first, second = (make(torch.Generator().manual_seed(args.seed + n + i))[0] for i in (0, 1))
+            site = torch.nn.Module()  # stands for a layer: the graphs live as long as it does
+            fn = GRAPHED_OPS[op]
+            _with_setting(ops.use_cuda_graphs, _output_and_grads, lambda **t: fn(site, **t), first, 1)  # captures
+            graphed = _with_setting(ops.use_cuda_graphs, _output_and_grads, lambda **t: fn(site, **t), second, 2)
+            eager = _output_and_grads(lambda **t: fn(None, **t), second, 2)
+            pairs = {"out": (graphed[0], eager[0]), **{f"d{k}": (graphed[1][k], eager[1][k]) for k in eager[1]}}
+            res.add(_graph_row(op, "captured on one input, replayed on another", pairs, t0))
+        except Exception as e:  # noqa: BLE001
+            res.fail("graphs", op, "replay", e)
+    for flavor in ("debug_gdn", "debug_kda", "debug_mamba2"):
+        try:
+            t0 = time.perf_counter()
+            margs = get_flavor(flavor)
+            torch.manual_seed(args.seed)
+            model = build_model(margs, device).to(torch.bfloat16)
+            model.init_weights()
+            model.train()
+            batches = [e2e_batch(margs.vocab_size, args.tiny, args.seed + i)[:2] for i in (1, 2)]
+            batches = [(ids.to(device), labels.to(device)) for ids, labels in batches]
 
-                def loss_and_grads(graphs: bool, model=model, batches=batches):
-                    ops.use_cuda_graphs(graphs)
-                    for ids, labels in batches:  # the last batch's; with graphs, captured on the first
-                        model.zero_grad(set_to_none=True)
-                        loss = model(ids, labels=labels)
-                        loss.backward()
-                    return loss.detach().float(), {n: p.grad.clone() for n, p in model.named_parameters()
-                                                    if p.grad is not None}
+            def loss_and_grads(model=model, batches=batches):
+                for ids, labels in batches:  # the last batch's; with graphs, captured on the first
+                    model.zero_grad(set_to_none=True)
+                    loss = model(ids, labels=labels)
+                    loss.backward()
+                return loss.detach().float(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                                if p.grad is not None}
 
-                loss_g, grads_g = loss_and_grads(True)
-                loss_e, grads_e = loss_and_grads(False)
-                pairs = {"loss": (loss_g, loss_e), **{n: (grads_g[n], grads_e[n]) for n in grads_e}}
-                res.add(_graph_row(flavor, "model, two batches, eager vs graphed", pairs, t0))
-                del model
-            except Exception as e:  # noqa: BLE001
-                res.fail("graphs", flavor, "model", e)
-            finally:
-                torch.cuda.empty_cache()
-    finally:
-        ops.use_cuda_graphs(previous)
+            loss_g, grads_g = _with_setting(ops.use_cuda_graphs, loss_and_grads)
+            loss_e, grads_e = loss_and_grads()
+            pairs = {"loss": (loss_g, loss_e), **{n: (grads_g[n], grads_e[n]) for n in grads_e}}
+            res.add(_graph_row(flavor, "model, two batches, eager vs graphed", pairs, t0))
+            del model
+        except Exception as e:  # noqa: BLE001
+            res.fail("graphs", flavor, "model", e)
+        finally:
+            torch.cuda.empty_cache()
 
 
 # ================================================================================================ FLA HF classes
