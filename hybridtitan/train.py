@@ -40,7 +40,7 @@ from hybridtitan.errors import first_error_line
 from hybridtitan.metrics import MetricsLogger
 from hybridtitan.models import build_model
 from hybridtitan.models.flops import flops_per_token, param_counts
-from hybridtitan.optim import build_lr_scheduler, build_optimizer
+from hybridtitan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from hybridtitan.parallel import build_mesh, parallelize, resolve_data_parallel
 
 logger = logging.getLogger("hybridtitan")
@@ -426,9 +426,7 @@ def _loop(cfg, plan, model, optimizer, lr_scheduler, dataloader, state, ckpt, me
                 loss = loss / plan.grad_accum
                 loss.backward()
                 loss_acc += loss.detach()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm, foreach=True)
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
+            grad_norm = clip_grad_norm_(model.parameters(), t.max_norm)
             # the gradient norm is already reduced over all ranks, so every rank makes the same choice
             applied = _optimizer_step(optimizer, grad_norm)
             # the mean loss of a log window counts the applied steps only

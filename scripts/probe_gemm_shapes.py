@@ -7,7 +7,12 @@ products inside the recurrent kernels or attention), times each shape alone, and
 what the step's GEMMs would cost at those speeds, under each library torch can use
 (``torch.backends.cuda.preferred_blas_library``).
 
-    python scripts/probe_gemm_shapes.py [--flavor gdn_300M] [--tokens 65536] [--libs cublas,cublaslt]
+``--layouts`` times each product a second way that costs only a copy of a weight-sized matrix: the forward
+product against the weight stored transposed ("nt" -> "nn"), the input gradient against it ("nn" -> "nt"), the
+weight gradient as its transpose (dW^T = x^T dY, then a transposed copy: "tn" with M and N swapped); it sums the
+step with the faster of the two per shape, and prints what the copies would cost.
+
+    python scripts/probe_gemm_shapes.py [--flavor gdn_300M] [--tokens 65536] [--libs cublas,cublaslt] [--layouts]
 """
 
 from __future__ import annotations
@@ -79,6 +84,23 @@ def time_gemm(m: int, n: int, k: int, layout: str, fp32_acc: bool, reps: int) ->
     return timer.seconds * 1e3 / reps
 
 
+def time_alternative(m: int, n: int, k: int, layout: str, fp32_acc: bool, reps: int) -> float:
+    """The same product laid out the other way (module docstring, ``--layouts``); the copies are not in it."""
+    if layout == "nt":  # forward against a transposed copy of the weight [N, K] -> [K, N]
+        return time_gemm(m, n, k, "nn", fp32_acc, reps)
+    if layout == "nn":  # input gradient against the transposed copy (made in the forward pass)
+        return time_gemm(m, n, k, "nt", fp32_acc, reps)
+    return time_gemm(n, m, k, "tn", fp32_acc, reps)  # weight gradient [M, N] as its transpose [N, M] = b^T a^T
+
+
+def transpose_copy_ms(rows: int, cols: int, reps: int, dtype: torch.dtype = torch.bfloat16) -> float:
+    x = torch.randn(rows, cols, device="cuda", dtype=dtype)
+    with Timer(x.device) as timer:
+        for _ in range(reps):
+            x.t().contiguous()
+    return timer.seconds * 1e3 / reps
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--flavor", default="gdn_300M")
@@ -86,13 +108,15 @@ def main() -> None:
     p.add_argument("--loss-chunk", type=int, default=4096)
     p.add_argument("--libs", default="cublas,cublaslt")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--layouts", action="store_true", help="also each product's alternative layout (above)")
     args = p.parse_args()
     shapes = step_gemms(args.flavor, args.tokens, args.loss_chunk)
     libs = args.libs.split(",")
     totals = dict.fromkeys(libs, 0.0)
     print(f"{args.flavor}, {args.tokens} tokens: {sum(shapes.values())} products per step of {len(shapes)} shapes")
+    best = dict.fromkeys(libs, 0.0)
     print(f"{'M x N x K':>26} {'layout':>6} {'fp32 acc':>8} {'count':>5} "
-          + " ".join(f"{lib + ' TFLOP/s':>17}" for lib in libs))
+          + " ".join(f"{lib + ' TFLOP/s':>17}" + (f"{'alternative':>17}" if args.layouts else "") for lib in libs))
     for (m, n, k, layout, acc), count in sorted(shapes.items(), key=lambda kv: -kv[0][0] * kv[0][1] * kv[0][2] * kv[1]):
         row = []
         for lib in libs:
@@ -100,10 +124,25 @@ def main() -> None:
             ms = time_gemm(m, n, k, layout, acc, args.reps)
             totals[lib] += ms * count
             row.append(f"{2 * m * n * k / ms / 1e9:17.1f}")
+            if args.layouts:
+                alt = time_alternative(m, n, k, layout, acc, args.reps)
+                best[lib] += min(ms, alt) * count
+                row.append(f"{2 * m * n * k / alt / 1e9:17.1f}")
         print(f"{f'{m} x {n} x {k}':>26} {layout:>6} {str(acc):>8} {count:5d} " + " ".join(row))
+    if args.layouts:
+        # one transposed copy per weight and step (the output layer's chunks share theirs), and of each weight
+        # gradient (the output layer's float32 sum once); an upper bound: only shapes faster the other way need it
+        vocab = max(n for (_, n, _, layout, _) in shapes if layout == "nt")
+        copies = sum((1 if n == vocab else count) * transpose_copy_ms(n, k, args.reps)
+                     for (_, n, k, layout, _), count in shapes.items() if layout == "nt")
+        copies += sum((1 if acc else count) * transpose_copy_ms(n, m, args.reps, torch.float32 if acc else
+                                                                torch.bfloat16)
+                      for (m, n, _, layout, acc), count in shapes.items() if layout == "tn")
+        print(f"transposed copies of every weight and weight gradient: {copies:.1f} ms per step")
     flops = sum(2 * m * n * k * c for (m, n, k, _, _), c in shapes.items())
     for lib in libs:
-        print(f"{lib}: the step's GEMMs {totals[lib]:.1f} ms, {flops / totals[lib] / 1e9:.1f} TFLOP/s")
+        print(f"{lib}: the step's GEMMs {totals[lib]:.1f} ms, {flops / totals[lib] / 1e9:.1f} TFLOP/s"
+              + (f"; the faster layout of each: {best[lib]:.1f} ms" if args.layouts else ""))
 
 
 if __name__ == "__main__":

@@ -215,3 +215,13 @@ def test_short_conv_bench_dry_run():
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [l for l in proc.stdout.splitlines() if " us per forward + backward" in l]
     assert [r.split(":")[0] for r in rows] == ["gdn_300M", "kda_300M", "zebra_mamba2_300M xBC"], proc.stdout
+
+
+def test_step_host_probe_dry_run():
+    """The probe times torch's clipping and AdamW against the trainer's on FSDP's DTensors, and checks that both
+    give the same norm and update (narrow gdn_300M on a CPU here)."""
+    proc = _run(["scripts/probe_step_host.py", "--device", "cpu", "--tiny", "--calls", "3"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "gdn_300M (tiny) on cpu: 218 parameters" in proc.stdout
+    assert len(re.findall(r"ms host, [0-9.]+ ms wall per call", proc.stdout)) == 4
+    assert "same norm and same first update both ways" in proc.stdout
