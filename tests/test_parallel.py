@@ -1,5 +1,5 @@
 """How hybridtitan.parallel wraps a model: which sublayers free their gathered parameters after the forward pass;
-gradient clipping over FSDP's sharded gradients."""
+gradient clipping and the optimizer's update over FSDP's sharded parameters (hybridtitan.optim)."""
 
 import os
 import subprocess
