@@ -76,8 +76,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
     first = grads[0]
     mesh = first.device_mesh if isinstance(first, DTensor) else None
     sharded = mesh is not None and not any(pl.is_partial() for pl in first.placements) and all(
-        isinstance(g, DTensor) and (g.device_mesh is mesh or g.device_mesh == mesh)
-        and g.placements == first.placements for g in grads)
+        isinstance(g, DTensor) and g.device_mesh == mesh and g.placements == first.placements for g in grads)
     if not sharded:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
