@@ -102,6 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "gdn_300M:hybridtitan-eager,gdn_300M:hybridtitan-compiled)")
     p.add_argument("--batch", type=int, default=32, help="micro-batch (sequences per step)")
     p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--loss-chunk", type=int, default=4096,
+                   help="our models: tokens per chunk of the output layer and its cross-entropy (the trainer's "
+                        "training.loss_chunk_size)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--no-oom-retry", action="store_true", help="on out-of-memory, report instead of a smaller batch")
@@ -279,6 +282,8 @@ def run_case(args, mesh, device, name: str, impl: str, batch: int, info: dict) -
            "seq": args.seq, "params": n_params, "counted_params": param_counts(margs)["total"],
            "flops_per_token": flops_per_token(margs, args.seq)["total"],
            "build_s": time.perf_counter() - t_build}
+    if impl in OURS:
+        row["loss_chunk"] = args.loss_chunk
     if impl not in OURS and not on_gpu:
         del model, optimizer
         row.update(status="SKIP", note="FLA's HF models need a GPU: built, wrapped and optimizer made only")
@@ -287,7 +292,7 @@ def run_case(args, mesh, device, name: str, impl: str, batch: int, info: dict) -
     batches = make_batches(margs.vocab_size, batch, args.seq, device, args.seed)
     if impl in OURS:
         def step(ids, labels):
-            loss = model(ids, labels=labels)
+            loss = model(ids, labels=labels, loss_chunk_size=args.loss_chunk)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -43,7 +43,7 @@ def test_bench_dry_run_variants(tmp_path):
     out = tmp_path / "bench.json"
     proc = _run(["scripts/bench_throughput.py", "--device", "cpu", "--tiny", "--models", "gdn_300M",
                  "--impls", "hybridtitan,hybridtitan-r3,hybridtitan-fla-norm,hybridtitan-compiled-loss",
-                 "--extra", "gdn_300M:hybridtitan-eager",
+                 "--extra", "gdn_300M:hybridtitan-eager", "--loss-chunk", "100",
                  "--json", str(out),
                  "--markdown", str(tmp_path / "bench.md")])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -52,6 +52,7 @@ def test_bench_dry_run_variants(tmp_path):
     assert set(rows) == {"hybridtitan", "hybridtitan-r3", "hybridtitan-fla-norm", "hybridtitan-compiled-loss",
                          "hybridtitan-eager"}
     assert all(r["status"] == "OK" and r["tokens_per_s"] > 0 for r in rows.values())
+    assert all(r["loss_chunk"] == 100 for r in rows.values())  # the output layer in chunks of 100 tokens
     # every case starts from the same weights: compiled norms, the previous version (separate residual adds) and
     # the eager model give the same loss
     first = rows["hybridtitan"]["loss_first"]
