@@ -142,6 +142,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--impls: unknown {bad}; choose from {', '.join(IMPLS)}")
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be at least 1")
+    if args.loss_chunk < 1:
+        p.error(f"--loss-chunk must be at least 1, got {args.loss_chunk}")
     return args
 
 

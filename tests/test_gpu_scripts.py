@@ -78,6 +78,8 @@ def test_bench_refuses_unknown_variant():
     proc = _run(["scripts/bench_throughput.py", "--device", "cpu", "--tiny", "--extra", "gdn_300M:hybridtitan-fast"])
     assert proc.returncode == 2
     assert "unknown" in proc.stderr and "hybridtitan-fast" in proc.stderr
+    proc = _run(["scripts/bench_throughput.py", "--device", "cpu", "--tiny", "--loss-chunk", "0"])
+    assert proc.returncode == 2 and "--loss-chunk must be at least 1, got 0" in proc.stderr
 
 
 def test_mamba2_packed_probe_dry_run():
