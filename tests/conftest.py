@@ -28,6 +28,15 @@ def pytest_configure(config):
     config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
 
+# The longest tests (minutes, each a multi-process training run), started first: with `-n 2` (run_tests.sh,
+# pytest-xdist) the short tests then run beside them instead of after them.
+LONGEST_FIRST = ("test_train.py::test_debug_recipe_trains", "test_train.py::test_exact_resume_and_reshard")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not any(item.nodeid.endswith(name) for name in LONGEST_FIRST))
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

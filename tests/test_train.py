@@ -56,7 +56,7 @@ def test_debug_recipe_trains(tmp_path):
     """The recipe as shipped, on 2 processes: the loss it reports after 200 steps (the mean over its last log
     window, steps 191-200) is below 60% of the first step's loss."""
     dump = tmp_path / "run"
-    run_train(dump, "--checkpoint.enable", "false", timeout=900)
+    run_train(dump, "--checkpoint.enable", "false", timeout=1800)
     loss = losses(dump)
     assert min(loss) == 1 and max(loss) == 200
     assert loss[200] < 0.6 * loss[1], (loss[1], loss[200])
