@@ -102,9 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "gdn_300M:hybridtitan-eager,gdn_300M:hybridtitan-compiled)")
     p.add_argument("--batch", type=int, default=32, help="micro-batch (sequences per step)")
     p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--loss-chunk", type=int, default=4096,
-                   help="our models: tokens per chunk of the output layer and its cross-entropy (the trainer's "
-                        "training.loss_chunk_size)")
+    p.add_argument("--loss-chunk", type=int, default=None,
+                   help="our models: tokens per chunk of the output layer and its cross-entropy (default: the "
+                        "trainer's training.loss_chunk_size)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--no-oom-retry", action="store_true", help="on out-of-memory, report instead of a smaller batch")
@@ -142,7 +142,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--impls: unknown {bad}; choose from {', '.join(IMPLS)}")
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be at least 1")
-    if args.loss_chunk < 1:
+    if args.loss_chunk is not None and args.loss_chunk < 1:
         p.error(f"--loss-chunk must be at least 1, got {args.loss_chunk}")
     return args
 
@@ -285,7 +285,9 @@ def run_case(args, mesh, device, name: str, impl: str, batch: int, info: dict) -
            "flops_per_token": flops_per_token(margs, args.seq)["total"],
            "build_s": time.perf_counter() - t_build}
     if impl in OURS:
-        row["loss_chunk"] = args.loss_chunk
+        from hybridtitan.config import Training
+
+        row["loss_chunk"] = args.loss_chunk or Training.loss_chunk_size
     if impl not in OURS and not on_gpu:
         del model, optimizer
         row.update(status="SKIP", note="FLA's HF models need a GPU: built, wrapped and optimizer made only")
@@ -294,7 +296,7 @@ def run_case(args, mesh, device, name: str, impl: str, batch: int, info: dict) -
     batches = make_batches(margs.vocab_size, batch, args.seq, device, args.seed)
     if impl in OURS:
         def step(ids, labels):
-            loss = model(ids, labels=labels, loss_chunk_size=args.loss_chunk)
+            loss = model(ids, labels=labels, loss_chunk_size=row["loss_chunk"])
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

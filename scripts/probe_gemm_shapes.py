@@ -105,12 +105,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--flavor", default="gdn_300M")
     p.add_argument("--tokens", type=int, default=32 * 2048)
-    p.add_argument("--loss-chunk", type=int, default=4096)
+    p.add_argument("--loss-chunk", type=int, default=None, help="default: the trainer's training.loss_chunk_size")
     p.add_argument("--libs", default="cublas,cublaslt")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--layouts", action="store_true", help="also each product's alternative layout (above)")
     args = p.parse_args()
-    shapes = step_gemms(args.flavor, args.tokens, args.loss_chunk)
+    from hybridtitan.config import Training
+
+    shapes = step_gemms(args.flavor, args.tokens, args.loss_chunk or Training.loss_chunk_size)
     libs = args.libs.split(",")
     totals = dict.fromkeys(libs, 0.0)
     print(f"{args.flavor}, {args.tokens} tokens: {sum(shapes.values())} products per step of {len(shapes)} shapes")
