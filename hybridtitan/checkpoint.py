@@ -3,7 +3,7 @@
 Why not torchtitan's CheckpointManager: a save must never leave a folder that looks complete but is not, and a
 run must resume from the last *complete* one. Here every save is written to ``step-N.partial`` and renamed to
 ``step-N`` only once all ranks finished (a rename is atomic), then ``latest`` is rewritten atomically; an
-interrupted save leaves only a ``.partial`` folder that resume ignores and the next save replaces. Each step
+interrupted save leaves only a ``.partial`` folder that resume ignores and the next save removes. Each step
 folder also holds ``model_args.json`` and ``job_config.json``, so export and evaluation rebuild the model from
 the folder alone.
 
@@ -80,6 +80,16 @@ def complete_steps(folder: str) -> list[int]:
     return sorted(steps)
 
 
+def is_model_only(step_dir: str) -> bool:
+    """Whether a complete step folder holds only the model (checkpoint.last_save_model_only, import_hf). False
+    when its metadata cannot be read: loading it will say what is wrong."""
+    try:
+        keys = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 -- any damage (unpickling, I/O) is reported by the load itself
+        return False
+    return not any(k.startswith("optimizer.") for k in keys)
+
+
 def resolve_checkpoint(path: str, step: int | None = None) -> str:
     """A step folder from a step folder, a checkpoint folder (its latest step, or ``step``), or a dump folder."""
     if not os.path.exists(path):
@@ -87,18 +97,16 @@ def resolve_checkpoint(path: str, step: int | None = None) -> str:
     if os.path.isfile(os.path.join(path, ".metadata")):
         if step is not None and not path.rstrip("/").endswith(f"step-{step}"):
             raise CheckpointError(f"{path} is a single checkpoint; it is not step {step}")
-        if not os.path.isfile(os.path.join(path, MODEL_ARGS_FILE)):
-            raise CheckpointError(f"{path} has no {MODEL_ARGS_FILE}: not a hybridtitan checkpoint")
-        return path
+        return _with_model_args(path)
     for folder in (path, os.path.join(path, "checkpoint")):
         steps = complete_steps(folder)
         if steps:
             if step is None:
-                return os.path.join(folder, f"step-{steps[-1]}")
+                return _with_model_args(os.path.join(folder, f"step-{steps[-1]}"))
             if step not in steps:
                 raise CheckpointError(f"step {step} not found in {folder}; complete steps: "
                                       f"{', '.join(map(str, steps))}")
-            return os.path.join(folder, f"step-{step}")
+            return _with_model_args(os.path.join(folder, f"step-{step}"))
     partial = path.rstrip("/").endswith(".partial") or any(
         name.endswith(".partial") for folder in (path, os.path.join(path, "checkpoint")) if os.path.isdir(folder)
         for name in os.listdir(folder))
@@ -107,9 +115,19 @@ def resolve_checkpoint(path: str, step: int | None = None) -> str:
     raise CheckpointError(f"{path} is not a checkpoint: no .metadata and no step-N folders")
 
 
+def _with_model_args(step_dir: str) -> str:
+    if not os.path.isfile(os.path.join(step_dir, MODEL_ARGS_FILE)):
+        raise CheckpointError(f"{step_dir} has no {MODEL_ARGS_FILE}: not a hybridtitan checkpoint")
+    return step_dir
+
+
 def load_model_args(step_dir: str) -> ModelArgs:
-    with open(os.path.join(step_dir, MODEL_ARGS_FILE)) as f:
-        return model_args_from_dict(json.load(f))
+    path = os.path.join(step_dir, MODEL_ARGS_FILE)
+    try:
+        with open(path) as f:
+            return model_args_from_dict(json.load(f))
+    except (OSError, ValueError, TypeError, KeyError) as e:  # JSONDecodeError is a ValueError
+        raise CheckpointError(f"cannot read {path}: {e}") from None
 
 
 def load_model(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -223,7 +241,10 @@ class CheckpointManager:
         partial = final + ".partial"
         if _rank() == 0:
             os.makedirs(self.folder, exist_ok=True)
-            shutil.rmtree(partial, ignore_errors=True)
+            # this step's, and any other left by an interrupted save (no save of ours is in flight: waited above)
+            for name in os.listdir(self.folder):
+                if name.endswith(".partial"):
+                    shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
         _barrier()
         t0 = time.monotonic()
         states = self._states(f"dataloader.dp_rank_{self.dp_rank}")
@@ -292,7 +313,7 @@ class CheckpointManager:
             dcp.load({"model": _ModelState(self.model)}, checkpoint_id=step_dir)
             return
         keys = set(dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata)
-        if not any(k.startswith("optimizer.") for k in keys):
+        if is_model_only(step_dir):
             logger.warning(f"{step_dir} holds only the model: the optimizer, schedule and data start afresh")
             dcp.load({"model": _ModelState(self.model)}, checkpoint_id=step_dir)
             return

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import difflib
 import io
+import math
 import os
 import sys
 import types
@@ -232,7 +233,7 @@ def _check_cli(args: list[str]) -> None:
     """Unknown command-line keys get one line instead of tyro's help page."""
     known = _all_keys(JobConfig)
     for arg in args:
-        if not arg.startswith("--") or arg in ("--help", "-h"):
+        if not arg.startswith("--"):
             continue
         key = arg[2:].split("=", 1)[0].replace("-", "_")
         if key.startswith("no_"):  # tyro's --section.no_flag form
@@ -295,10 +296,20 @@ def _load_toml(args: list[str]) -> dict | None:
         raise ConfigError(f"{path}: TOML syntax error: {e}") from None
 
 
-def parse_config(args: list[str] | None = None, check_data: bool = True):
+TRAIN_USAGE = """usage: python -m hybridtitan.train --job.config_file RECIPE.toml [--section.key VALUE ...]
+       torchrun --nproc_per_node N -m hybridtitan.train --job.config_file RECIPE.toml [--section.key VALUE ...]"""
+
+
+def parse_config(args: list[str] | None = None, check_data: bool = True, usage: str = TRAIN_USAGE):
     """TOML + command line -> a validated JobConfig. Raises ConfigError with one line on any problem.
-    ``check_data=False`` skips the [data] checks (describe needs no data)."""
+    ``check_data=False`` skips the [data] checks (describe needs no data). ``--help`` prints ``usage`` and the
+    supported keys, and exits."""
     args = list(sys.argv[1:] if args is None else args)
+    if "--help" in args or "-h" in args:
+        from hybridtitan.cli_help import help_text
+
+        print(help_text(usage))
+        raise SystemExit(0)
     toml = _load_toml(args)
     if toml is not None:
         _check_toml(toml, JobConfig)
@@ -309,8 +320,7 @@ def parse_config(args: list[str] | None = None, check_data: bool = True):
     manager = _Manager(JobConfig)
     captured = io.StringIO()
     try:
-        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured) \
-                if "--help" not in args and "-h" not in args else contextlib.nullcontext():
+        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
             cfg = manager.parse_args(args)
     except SystemExit as e:
         if e.code in (0, None):
@@ -375,8 +385,7 @@ def validate(cfg, check_data: bool = True) -> None:
         raise ConfigError(f"checkpoint.keep_latest_k must be 0 (keep all) or more, got {cfg.checkpoint.keep_latest_k}")
     if cfg.optimizer.name not in ("AdamW", "Adam"):
         raise ConfigError(f"optimizer.name must be AdamW or Adam, got {cfg.optimizer.name!r}")
-    if cfg.optimizer.lr <= 0:
-        raise ConfigError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}")
+    _check_numbers(cfg)
     if cfg.checkpoint.async_mode not in ("disabled", "async"):
         raise ConfigError(f"checkpoint.async_mode must be disabled or async, got {cfg.checkpoint.async_mode!r}")
     unknown = set(cfg.checkpoint.exclude_from_loading) - {"optimizer", "lr_scheduler", "dataloader", "train_state"}
@@ -402,6 +411,38 @@ def validate(cfg, check_data: bool = True) -> None:
         raise
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _check_numbers(cfg) -> None:
+    """Values that the optimizer, the schedule or the loop would take and then train wrongly with (a negative
+    clipping norm ascends the gradient), or fail on only after the run's folders exist."""
+    o, s, t = cfg.optimizer, cfg.lr_scheduler, cfg.training
+    checks = [
+        ("optimizer.lr", o.lr, math.isfinite(o.lr) and o.lr > 0, "a positive number"),
+        ("optimizer.eps", o.eps, math.isfinite(o.eps) and o.eps > 0, "a positive number"),
+        ("optimizer.beta1", o.beta1, 0 <= o.beta1 < 1, "in [0, 1)"),
+        ("optimizer.beta2", o.beta2, 0 <= o.beta2 < 1, "in [0, 1)"),
+        ("optimizer.weight_decay", o.weight_decay, math.isfinite(o.weight_decay) and o.weight_decay >= 0,
+         "0 or more"),
+        ("training.max_norm", t.max_norm, math.isfinite(t.max_norm) and t.max_norm > 0, "a positive number"),
+        ("training.gc_freq", t.gc_freq, t.gc_freq >= 1, "1 or more"),
+        ("lr_scheduler.warmup_steps", s.warmup_steps, s.warmup_steps >= 0, "0 or more"),
+        ("lr_scheduler.min_lr_factor", s.min_lr_factor, 0 <= s.min_lr_factor <= 1, "in [0, 1]"),
+        ("lr_scheduler.decay_ratio", s.decay_ratio, s.decay_ratio is None or 0 <= s.decay_ratio <= 1,
+         "in [0, 1] (or unset)"),
+        ("lr_scheduler.total_steps", s.total_steps, s.total_steps is None or s.total_steps >= 1,
+         "1 or more (or unset)"),
+        ("debug.seed", cfg.debug.seed, cfg.debug.seed is None or 0 <= cfg.debug.seed < 2**32,
+         "in [0, 2**32) (or unset)"),
+    ]
+    if cfg.profiling.enable_profiling:
+        p = cfg.profiling
+        checks += [("profiling.profiler_active", p.profiler_active, p.profiler_active >= 1, "1 or more"),
+                   ("profiling.profiler_warmup", p.profiler_warmup, p.profiler_warmup >= 0, "0 or more"),
+                   ("profiling.profile_freq", p.profile_freq, p.profile_freq >= 1, "1 or more")]
+    for key, value, ok, wanted in checks:
+        if not ok:
+            raise ConfigError(f"{key} must be {wanted}, got {value}")
 
 
 def model_args(cfg) -> ModelArgs:

@@ -110,6 +110,14 @@ def _print_table(d: dict) -> None:
           f"+ loss chunk {m['loss_chunk']:.2f}  ({m['assumes']})")
 
 
+USAGE = """usage: python -m hybridtitan.describe --job.config_file RECIPE.toml [--section.key VALUE ...] [--json]
+       python -m hybridtitan.describe --list
+
+What a recipe builds, without building it: the layer plan, parameters, FLOPs per token per sublayer and a
+memory estimate per device. --json prints it as one JSON object; --list lists the flavors. The recipe's keys
+are the trainer's:"""
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--list" in argv:
@@ -119,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     as_json = "--json" in argv
     argv = [a for a in argv if a != "--json"]
     try:
-        cfg = parse_config(argv, check_data=False)
+        cfg = parse_config(argv, check_data=False, usage=USAGE)
         d = describe(cfg)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -291,12 +291,32 @@ def evaluate(lm, tasks: list[str], task_manager, *, limit=None, num_fewshot=None
                            batch_size=batch_size, device=device, log_samples=False, bootstrap_iters=bootstrap_iters)
 
 
+def results_file(path: str, overwrite: bool = False, create: bool = False) -> str:
+    """The file --output_path names: the path itself, or a new results_<time>.json in a folder (one that exists,
+    or a path ending with a separator). Checked before the evaluation, so that a bad path fails before the work
+    rather than after it; the folders are made only with ``create`` (when writing). EvalError for an existing
+    file without ``overwrite``, or where no folder can be made."""
+    folder_form = os.path.isdir(path) or path.endswith(("/", os.sep))
+    folder = os.path.abspath(path if folder_form else os.path.dirname(os.path.abspath(path)))
+    if not folder_form and os.path.exists(path) and not overwrite:
+        raise EvalError(f"output file exists: {path} (pass --overwrite to replace it)")
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+        raise EvalError(f"--output_path {path}: {existing} is not a writable folder")
+    if create:
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise EvalError(f"--output_path {path}: {e}") from None
+    return os.path.join(folder, f"results_{time.strftime('%Y-%m-%dT%H-%M-%S')}.json") if folder_form else path
+
+
 def write_json(results: dict, path: str) -> str:
     from lm_eval.utils import handle_non_serializable
 
-    if os.path.isdir(path):
-        path = os.path.join(path, f"results_{time.strftime('%Y-%m-%dT%H-%M-%S')}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    path = results_file(path, overwrite=True, create=True)
     tmp = path + f".tmp-{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(results, f, indent=2, default=handle_non_serializable, ensure_ascii=False)
@@ -325,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_length", type=int, default=DEFAULT_MAX_LENGTH, help="context length in tokens")
     p.add_argument("--max_gen_toks", type=int, default=DEFAULT_MAX_GEN_TOKS,
                    help="default generation length when a task sets none")
-    p.add_argument("--output_path", default=None, help="results JSON file (or a folder to put one in)")
+    p.add_argument("--output_path", default=None,
+                   help="results JSON file, or a folder to put one in (an existing one, or a path ending with /)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output_path file")
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: the checkpoint's)")
     p.add_argument("--step", type=int, default=None, help="the DCP step (default: the latest complete one)")
@@ -341,8 +362,11 @@ def main(argv: list[str] | None = None) -> None:
     names = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not names:
         fail("--tasks is empty")
-    if args.output_path and os.path.isfile(args.output_path) and not args.overwrite:
-        fail(f"output file exists: {args.output_path} (pass --overwrite to replace it)")
+    if args.output_path:
+        try:
+            results_file(args.output_path, args.overwrite)
+        except EvalError as e:
+            fail(str(e))
     if args.include_path and not os.path.isdir(args.include_path):
         fail(f"--include_path: no such folder: {args.include_path}")
     if not os.path.exists(args.checkpoint):

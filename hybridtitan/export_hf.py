@@ -26,20 +26,6 @@ import warnings
 DTYPES = ("bfloat16", "float32", "float16")
 FORMATS = ("auto", "fla", "hybridtitan")
 
-REMOTE_CONFIG = '''"""hybridtitan's Hugging Face config, for trust_remote_code. Requires hybridtitan to be installed."""
-
-from hybridtitan.hf.configuration import HybridTitanConfig  # noqa: F401
-'''
-REMOTE_MODELING = '''"""hybridtitan's Hugging Face model class, for trust_remote_code. Requires hybridtitan to be installed."""
-
-from hybridtitan.hf.modeling import HybridCache, HybridTitanForCausalLM  # noqa: F401
-'''
-AUTO_MAP = {
-    "AutoConfig": "configuration_hybridtitan.HybridTitanConfig",
-    "AutoModelForCausalLM": "modeling_hybridtitan.HybridTitanForCausalLM",
-}
-
-
 def _max_position_embeddings(step_dir: str) -> int:
     from hybridtitan.checkpoint import JOB_CONFIG_FILE
 
@@ -82,10 +68,10 @@ def export(checkpoint: str, output: str, *, step: int | None = None, dtype: str 
     if format not in FORMATS:
         raise ConversionError(f"--format must be one of {', '.join(FORMATS)} (got {format!r})")
     step_dir = resolve_checkpoint(checkpoint, step)
-    try:
-        args = load_model_args(step_dir)
-    except (OSError, ValueError, TypeError, KeyError) as e:
-        raise ConversionError(f"cannot read {step_dir}/model_args.json: {e}") from None
+    if os.path.commonpath([os.path.realpath(output), os.path.realpath(step_dir)]) == os.path.realpath(output):
+        raise ConversionError(f"--output {output} holds the checkpoint being exported ({step_dir}): replacing it "
+                              "would delete the checkpoint; choose another folder")
+    args = load_model_args(step_dir)  # CheckpointError naming the file if it cannot be read
     problem = fla_layout_problem(args)
     if format == "fla" and problem:
         raise ConversionError(f"--format fla: {problem}")
@@ -112,7 +98,6 @@ def export(checkpoint: str, output: str, *, step: int | None = None, dtype: str 
         tensors = {"model." + k: state.pop(k).to(torch_dtype).contiguous() for k in list(state)}
         config = HybridTitanConfig.from_model_args(args, max_position_embeddings=max_pos, **special)
         config.architectures = ["HybridTitanForCausalLM"]
-        config.auto_map = dict(AUTO_MAP)
         config.dtype = torch_dtype
 
     from transformers import GenerationConfig
@@ -127,11 +112,7 @@ def export(checkpoint: str, output: str, *, step: int | None = None, dtype: str 
         config.save_pretrained(tmp)
         GenerationConfig(**special).save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        if layout == "hybridtitan":
-            with open(os.path.join(tmp, "configuration_hybridtitan.py"), "w") as f:
-                f.write(REMOTE_CONFIG)
-            with open(os.path.join(tmp, "modeling_hybridtitan.py"), "w") as f:
-                f.write(REMOTE_MODELING)
+        _portable_tokenizer_config(tmp)
         publish_folder(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -139,14 +120,34 @@ def export(checkpoint: str, output: str, *, step: int | None = None, dtype: str 
     return layout
 
 
+def _portable_tokenizer_config(folder: str) -> None:
+    """The saved tokenizer_config.json without what describes this machine's load (transformers records
+    is_local / local_files_only from it) and with the class name transformers 4 knows too (transformers 5 writes
+    its internal "TokenizersBackend"; "PreTrainedTokenizerFast" names the same class there)."""
+    path = os.path.join(folder, "tokenizer_config.json")
+    with open(path) as f:
+        config = json.load(f)
+    for key in ("is_local", "local_files_only"):
+        config.pop(key, None)
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
 def parse_size(text: str) -> int:
     """'5GB', '500MB', '10KB' (powers of ten, as Hugging Face) or a number of bytes."""
     units = {"GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
     t = text.strip().upper()
-    for unit, scale in units.items():
-        if t.endswith(unit):
-            return int(float(t[: -len(unit)]) * scale)
-    return int(t)
+    unit = next((u for u in units if t.endswith(u)), "")
+    try:
+        size = int(float(t[: len(t) - len(unit)]) * units.get(unit, 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 500MB or bytes)") from None
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return size
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -8,6 +8,7 @@ cosine decay to ``lr * min_lr_factor``; ``decay_ratio`` turns it into warm-up-st
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -93,5 +94,20 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
     return norm
 
 
+def _held_at_floor(step: int, schedule, warmup_steps: int, floor: float) -> float:
+    return schedule(step) if step < warmup_steps else max(schedule(step), floor)
+
+
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg):
-    return build_lr_schedulers([optimizer], cfg.lr_scheduler, cfg.training.steps)
+    """torchtitan's warm-up/stable/decay schedule, held at ``lr * min_lr_factor`` once it has decayed: past
+    ``lr_scheduler.total_steps`` (shorter than the run, or a schedule resumed with a reset step) its decay goes
+    on below that, to negative learning rates, which would train the model backwards."""
+    schedulers = build_lr_schedulers([optimizer], cfg.lr_scheduler, cfg.training.steps)
+    for scheduler in schedulers.schedulers:
+        # partial objects, as torchtitan's own: LambdaLR's state_dict keeps only their (empty) __dict__. The warm-up
+        # (as torchtitan adjusted it) starts below the floor and is left alone.
+        scheduler.lr_lambdas = [functools.partial(
+            _held_at_floor, schedule=fn, floor=cfg.lr_scheduler.min_lr_factor,
+            warmup_steps=getattr(fn, "keywords", {}).get("warmup_steps", cfg.lr_scheduler.warmup_steps))
+            for fn in scheduler.lr_lambdas]
+    return schedulers

@@ -30,12 +30,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from hybridtitan import ops
-from hybridtitan.checkpoint import CheckpointManager, complete_steps, load_model_args, resolve_checkpoint
+from hybridtitan.checkpoint import (
+    CheckpointManager,
+    complete_steps,
+    is_model_only,
+    load_model_args,
+    resolve_checkpoint,
+)
 from hybridtitan.config import ConfigError, compiles, model_args, parse_config, selective_ac_interval, to_dict
 from hybridtitan.data import build_dataloader, build_tokenizer
+from hybridtitan.data.config import recorded_path
 from hybridtitan.errors import first_error_line
 from hybridtitan.metrics import MetricsLogger
 from hybridtitan.models import build_model
@@ -129,6 +137,13 @@ def _check_checkpoints(cfg, args) -> None:
                               "resume would return to them, and keep_latest_k would delete the new ones)")
     elif cfg.checkpoint.enable and steps:
         start = os.path.join(folder, f"step-{steps[-1]}")
+        # step 0 is a model-only starting point on purpose (import_hf); a later model-only step ends a run: taking
+        # it as the resume point would restart at step 0 below the older full checkpoints, and keep_latest_k would
+        # then delete the new ones
+        if steps[-1] > 0 and is_model_only(start):
+            raise ConfigError(f"{start} holds only the model (checkpoint.last_save_model_only): a run cannot go on "
+                              "from it. To train on from its weights, give it as checkpoint.initial_load_path with "
+                              "another job.dump_folder")
     elif cfg.checkpoint.initial_load_path:
         try:
             start = resolve_checkpoint(cfg.checkpoint.initial_load_path)
@@ -255,6 +270,7 @@ def train(cfg, plan: Plan) -> dict:
     dataloader = plan.dataloader
     state = TrainState()
     job_dict = to_dict(cfg)
+    job_dict["data"]["tokenizer"] = recorded_path(cfg.data.tokenizer)  # export/eval may run from elsewhere
     ckpt = CheckpointManager(
         os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder), model=model, optimizer=optimizer,
         lr_scheduler=lr_scheduler, dataloader=dataloader, train_state=state, dp_rank=dp_rank,
@@ -263,7 +279,19 @@ def train(cfg, plan: Plan) -> dict:
         async_mode=cfg.checkpoint.async_mode, enable=cfg.checkpoint.enable,
         first_step=cfg.checkpoint.enable_first_step_checkpoint,
         exclude_from_loading=tuple(cfg.checkpoint.exclude_from_loading))
-    _resume(cfg, ckpt, state)
+    try:
+        _resume(cfg, ckpt, state)
+        data_iter = iter(dataloader)  # where the loader applies its resumed state (and refuses one of other data)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 -- e.g. a checkpoint of other data or workers
+        logger.debug("resume failed", exc_info=True)
+        if rank == 0:
+            message = first_error_line(e)
+            if "dataloader." in message:  # DCP naming a loader key it lacks: another data.num_workers
+                message += (" (the data loader's state needs the data.num_workers of the run that saved it; "
+                            "checkpoint.exclude_from_loading = [\"dataloader\"] starts the data afresh)")
+            print(f"error: cannot resume from the checkpoint: {message}", file=sys.stderr)
+        dist.destroy_process_group()
+        sys.exit(2)
 
     if rank == 0:
         os.makedirs(cfg.job.dump_folder, exist_ok=True)
@@ -276,13 +304,15 @@ def train(cfg, plan: Plan) -> dict:
         enable_tensorboard=cfg.metrics.enable_tensorboard, tb_folder=cfg.metrics.save_tb_folder,
         enable_wandb=cfg.metrics.enable_wandb, job_config=job_dict)
     stop = _StopRequest()
-    last = {}
+    last, finished = {}, False
     try:
-        last = _loop(cfg, plan, model, optimizer, lr_scheduler, dataloader, state, ckpt, metrics, stop, device)
+        last = _loop(cfg, plan, model, optimizer, lr_scheduler, data_iter, state, ckpt, metrics, stop, device)
+        finished = True
     finally:
         ckpt.close()
         metrics.close()
-        dist.barrier()
+        if finished:  # after an error on this rank the others may never reach it: exit now, torchrun stops them
+            dist.barrier()
         dist.destroy_process_group()
     return last
 
@@ -302,6 +332,19 @@ def _resume(cfg, ckpt: CheckpointManager, state: TrainState) -> None:
         ckpt.load(step_dir, model_only=cfg.checkpoint.initial_load_model_only)
         logger.info(f"initialised from {step_dir}" + (" (model only)" if cfg.checkpoint.initial_load_model_only
                                                       else f" (step {state.step})"))
+    _warn_about_resumed_values(cfg, ckpt, state)
+
+
+def _warn_about_resumed_values(cfg, ckpt: CheckpointManager, state: TrainState) -> None:
+    """What a resume takes from the checkpoint over the recipe, said where the two differ."""
+    if state.step >= cfg.training.steps:
+        logger.warning(f"the checkpoint is at step {state.step} and training.steps is {cfg.training.steps}: nothing "
+                       "to train (raise training.steps to go on)")
+    saved = [lr for s in ckpt.lr_scheduler.schedulers for lr in s.base_lrs]
+    if state.step > 0 and any(not math.isclose(lr, cfg.optimizer.lr) for lr in saved):
+        logger.warning(f"optimizer.lr {cfg.optimizer.lr} differs from the resumed schedule's {saved[0]}: the "
+                       "checkpoint's schedule goes on (checkpoint.exclude_from_loading = [\"lr_scheduler\"] "
+                       "starts a new one)")
 
 
 def _profiler(cfg):
@@ -383,9 +426,8 @@ def _optimizer_step(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -
     return finite
 
 
-def _loop(cfg, plan, model, optimizer, lr_scheduler, dataloader, state, ckpt, metrics, stop, device) -> dict:
+def _loop(cfg, plan, model, optimizer, lr_scheduler, data_iter, state, ckpt, metrics, stop, device) -> dict:
     t = cfg.training
-    data_iter = iter(dataloader)
     tokens_per_step_local = t.local_batch_size * t.seq_len * plan.grad_accum
     gc.disable()
     gc.collect()

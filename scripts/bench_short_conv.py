@@ -44,7 +44,7 @@ def time_conv(width: int, sizes: tuple[int, ...], ours: bool, batch: int, seq: i
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--reps", type=int, default=20)

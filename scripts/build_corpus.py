@@ -17,6 +17,7 @@ from the file name).
     python scripts/build_corpus.py
 """
 
+import argparse
 import ast
 import hashlib
 import io
@@ -131,4 +132,6 @@ def main():
 
 
 if __name__ == "__main__":
+    # no options: --help describes what running it overwrites
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

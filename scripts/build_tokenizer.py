@@ -10,6 +10,7 @@ documents); `<|pad|>` (id 1) is padding, kept apart from EOS so that masking pad
 a real end of document. Nothing is added automatically on encode: the data loader decides.
 """
 
+import argparse
 import json
 import os
 import pathlib
@@ -66,4 +67,6 @@ def main():
 
 
 if __name__ == "__main__":
+    # no options: --help describes what running it overwrites
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

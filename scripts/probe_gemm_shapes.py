@@ -102,7 +102,7 @@ def transpose_copy_ms(rows: int, cols: int, reps: int, dtype: torch.dtype = torc
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--flavor", default="gdn_300M")
     p.add_argument("--tokens", type=int, default=32 * 2048)
     p.add_argument("--loss-chunk", type=int, default=None, help="default: the trainer's training.loss_chunk_size")

@@ -39,7 +39,7 @@ def one_call(fn, inputs):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--device", default="cuda", help="cpu: a dry run of the script (the PyTorch reference ops)")

@@ -196,6 +196,12 @@ CASES = {
 
 
 def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    if len(sys.argv) > 1 and sys.argv[1] not in CASES:
+        print(f"unknown case {sys.argv[1]!r}; the cases are: {list(CASES)}", file=sys.stderr)
+        return 2
     if len(sys.argv) > 1:
         import torch
 

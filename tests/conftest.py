@@ -9,6 +9,9 @@ from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
+# Building a local dataset's cache (the first load on a fresh machine) draws progress bars on stderr, which the
+# one-line-error tests capture: off in the tests and their subprocesses.
+os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"
 
 # FLA warns once at import that Triton has no GPU here and it "rolls back to CPU": expected on a CPU machine.
 warnings.filterwarnings("ignore", message="Triton is not supported on current platform")

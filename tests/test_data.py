@@ -362,3 +362,27 @@ def test_bad_input(tmp_path, tok, tok_dir, corpus, megatron_prefix):
     other.load_state_dict(state)  # StatefulDataLoader applies it when the next iterator starts
     with pytest.raises(ValueError, match="other data"):
         next(iter(other))
+
+
+def test_asset_scripts_help_writes_nothing():
+    """build_corpus.py and build_tokenizer.py overwrite the shipped assets when run: --help must only print."""
+    assets = [p for p in (REPO / "hybridtitan" / "assets").rglob("*") if p.is_file()]
+    before = {p: p.stat().st_mtime_ns for p in assets}
+    for script in ("build_corpus.py", "build_tokenizer.py"):
+        proc = subprocess.run([sys.executable, str(REPO / "scripts" / script), "--help"], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and proc.stdout.startswith("usage:") and "hybridtitan/assets" in proc.stdout
+    assert {p: p.stat().st_mtime_ns for p in assets} == before
+
+
+def test_recorded_tokenizer_path_survives_another_directory(tmp_path, monkeypatch):
+    """job_config.json records a relative local tokenizer folder as absolute (export and eval may run elsewhere);
+    the package's own path and hub names stay as given."""
+    from hybridtitan.data.config import recorded_path, resolve_path
+
+    (tmp_path / "mytok").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert recorded_path("mytok") == str(tmp_path / "mytok")
+    assert recorded_path("meta-llama/Llama-3.2-1B") == "meta-llama/Llama-3.2-1B"
+    assert recorded_path("hybridtitan/assets/tokenizer") == "hybridtitan/assets/tokenizer"
+    assert os.path.isdir(resolve_path("hybridtitan/assets/tokenizer"))  # from any directory

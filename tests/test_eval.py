@@ -5,6 +5,8 @@ kinds checked against direct computations and against transformers' generate()."
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -35,11 +37,13 @@ def test_same_accuracy_from_dcp_and_hf_export(flavor, trained, tmp_path, capsys)
     export(str(trained[flavor]), str(hf_dir), dtype="float32")
     results = {}
     for name, source in (("dcp", trained[flavor]), ("hf", hf_dir)):
-        path = tmp_path / f"{name}.json"
+        # a file, and a folder that does not exist yet (a path ending with a separator)
+        output = str(tmp_path / f"{name}.json") if name == "dcp" else str(tmp_path / "new" / "results") + os.sep
         out = _run_eval(capsys, ["--checkpoint", str(source), "--tasks", "stdlib_mc", "--include_path", str(TASKS),
-                                 "--batch_size", "16", "--output_path", str(path), "--device", "cpu",
+                                 "--batch_size", "16", "--output_path", output, "--device", "cpu",
                                  "--bootstrap_iters", "0"])
         assert "stdlib_mc" in out and "|acc" in out.replace(" ", "")  # lm-eval's table
+        (path,) = [Path(output)] if name == "dcp" else list(Path(output).glob("results_*.json"))
         results[name] = json.loads(path.read_text())["results"]["stdlib_mc"]
     assert results["dcp"]["acc,none"] == results["hf"]["acc,none"]
     assert results["dcp"]["acc_norm,none"] == results["hf"]["acc_norm,none"]
@@ -146,6 +150,17 @@ def test_eval_bad_input(trained, tmp_path, capsys):
     existing.write_text("{}")
     expect(["--checkpoint", str(trained["debug_gdn"]), *common, "--output_path", str(existing)], "exists")
     assert existing.read_text() == "{}"
+    # a results folder under a file cannot be made: refused before the evaluation
+    expect(["--checkpoint", str(trained["debug_gdn"]), *common, "--output_path", str(existing / "r.json")],
+           "is not a writable folder")
+    # a checkpoint whose model_args.json is gone or damaged
+    for damage in ("missing", "damaged"):
+        copy = tmp_path / damage / "checkpoint"
+        shutil.copytree(Path(trained["debug_gdn"]) / "checkpoint", copy)
+        for args_file in copy.glob("step-*/model_args.json"):
+            args_file.unlink() if damage == "missing" else args_file.write_text("{")
+        expect(["--checkpoint", str(copy.parent), *common],
+               "has no model_args.json" if damage == "missing" else "cannot read")
 
 
 def test_cli_processes_fail_in_one_line(trained, tmp_path):

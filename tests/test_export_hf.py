@@ -98,6 +98,8 @@ def test_own_layout_logits_and_generate(flavor, trained, exports):
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == "hybridtitan" and config["auto_map"]["AutoModelForCausalLM"]
     assert (folder / "modeling_hybridtitan.py").is_file() and (folder / "tokenizer.json").is_file()
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert tok_config["tokenizer_class"] == "PreTrainedTokenizerFast" and "local_files_only" not in tok_config
     assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == config["eos_token_id"]
 
     ref = ours(trained[flavor])
@@ -125,6 +127,40 @@ def test_own_layout_logits_and_generate(flavor, trained, exports):
         for _ in range(new):
             seq = torch.cat([seq, ref(seq)[:, -1:].argmax(-1)], dim=1)
     assert torch.equal(with_cache, seq)
+
+
+RESAVE = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+src, dst, logits = sys.argv[1:]
+model = AutoModelForCausalLM.from_pretrained(src, trust_remote_code=True).eval()  # no hybridtitan import here
+if dst != "-":
+    model.save_pretrained(dst)
+x = torch.randint(5, 8000, (2, 16), generator=torch.Generator().manual_seed(3))
+with torch.no_grad():
+    torch.save(model(x).logits, logits)
+"""
+
+
+def test_trust_remote_code_folder_saved_again_still_loads(trained, exports, tmp_path):
+    """A model loaded with trust_remote_code and saved with save_pretrained (fine-tuning with HF tools) keeps a
+    folder that loads the same way in a fresh process, with the same logits; no module of ours copied into it."""
+    from hybridtitan.hf.configuration import AUTO_MAP, REMOTE_CODE
+
+    again = tmp_path / "again"
+    for src, dst, logits in ((exports["debug_hybrid", "hybridtitan"], again, tmp_path / "a.pt"),
+                             (again, "-", tmp_path / "b.pt")):
+        proc = subprocess.run([sys.executable, "-c", RESAVE, str(src), str(dst), str(logits)], cwd=tmp_path,
+                              env=cli_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((again / "config.json").read_text())["auto_map"] == AUTO_MAP
+    assert sorted(p.name for p in again.glob("*.py")) == sorted(REMOTE_CODE)
+    ref = ours(trained["debug_hybrid"])
+    x = torch.randint(5, 8000, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = ref(x)
+    for name in ("a.pt", "b.pt"):
+        torch.testing.assert_close(torch.load(tmp_path / name), expected, atol=1e-5, rtol=0)
 
 
 def test_cache_is_a_transformers_cache(exports):
@@ -306,6 +342,11 @@ def test_export_bad_input(trained, tmp_path, capsys):
     assert (out / "keep.txt").read_text() == "mine" and len(list(out.iterdir())) == 1
     main(["--checkpoint", str(dump), "--output", str(out), "--overwrite"])
     assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    # --overwrite never replaces the folder that holds the checkpoint itself
+    for holder in (dump, dump / "checkpoint"):
+        _expect_error(capsys, main, ["--checkpoint", str(dump), "--output", str(holder), "--overwrite"],
+                      "holds the checkpoint being exported")
+    assert (dump / "checkpoint" / f"step-{STEPS}" / "model_args.json").is_file()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
@@ -324,6 +365,10 @@ def test_import_bad_input(exports, tmp_path, capsys):
     _expect_error(capsys, main, ["--model", str(foreign), "--output", str(out)], "model_type 'llama'")
     (foreign / "config.json").write_text(json.dumps({**cfg, "allow_neg_eigval": True}))
     _expect_error(capsys, main, ["--model", str(foreign), "--output", str(out)], "allow_neg_eigval")
+    kda_cfg = json.loads((exports["debug_kda", "fla"] / "config.json").read_text())
+    for field, value in (("lower_bound", -5.0), ("safe_gate", True)):  # FLA's other KDA gate
+        (foreign / "config.json").write_text(json.dumps({**kda_cfg, field: value}))
+        _expect_error(capsys, main, ["--model", str(foreign), "--output", str(out)], field)
     (foreign / "config.json").write_text(json.dumps(cfg))
     (foreign / "model.safetensors").unlink()
     _expect_error(capsys, main, ["--model", str(foreign), "--output", str(out)], "no weights")

@@ -100,6 +100,11 @@ def test_mamba2_packed_probe_dry_run():
                             text=True, env={**env, "PROBE_CASES": "simple_gla packed K=16 V=32", "PROBE_TOL": "1e-9"},
                             timeout=120)
     assert strict.returncode == 1 and strict.stdout.startswith("FAIL"), strict.stdout  # bf16 is not that close
+    for argv, code, stream, text in ((["--help"], 0, "stdout", "PROBE_CASES"),
+                                     (["no such case"], 2, "stderr", "unknown case")):
+        proc = subprocess.run([sys.executable, "scripts/probe_mamba2_packed.py", *argv], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == code and text in getattr(proc, stream), proc.stdout + proc.stderr
 
 
 def test_manifest_recorder_merges_into_the_existing_manifest(tmp_path):

@@ -32,8 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "rocm_compile_check.py"
 MANIFEST = REPO / "tests" / "assets" / "triton_kernels.json"
 ALL_TARGETS = ("gfx942", "gfx950", "sm_90")
-# A compile takes 0.3-6 s on one core for each of 3 targets: the whole manifest (258 records, mostly recorded on the
-# H200) takes minutes on 2 cores. The suite checks 6 records, one per kernel, spread evenly over the manifest;
+# A compile takes 0.3-6 s on one core for each of 3 targets: the whole manifest (hundreds of records, mostly recorded
+# on the H200) takes minutes on 2 cores. The suite checks 6 records, one per kernel, spread evenly over the manifest;
 # the script checks all of them by default.
 SUITE_RECORDS = 6
 

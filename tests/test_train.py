@@ -100,12 +100,24 @@ def test_keep_latest_k_and_partial_save_ignored(tmp_path):
     assert complete_steps(str(ckpt)) == [6, 8]
     assert (ckpt / "latest").read_text().strip() == "step-8"
     assert (ckpt / "step-8" / "model_args.json").is_file()
-    # an interrupted save leaves a .partial folder: resume ignores it and takes step 8
+    # an interrupted save leaves a .partial folder: resume ignores it and takes step 8; the next save clears it
     (ckpt / "step-10.partial").mkdir()
     proc = run_train(dump, *QUICK, "--training.steps", "9", "--checkpoint.enable", "true",
-                     "--checkpoint.interval", "100", nproc=1)
+                     "--checkpoint.interval", "100", "--optimizer.lr", "0.0123", nproc=1)
     assert "resumed from" in proc.stdout and "step-8" in proc.stdout
     assert max(losses(dump)) == 9
+    assert complete_steps(str(ckpt)) == [8, 9] and not list(ckpt.glob("*.partial"))
+    assert "optimizer.lr 0.0123 differs from the resumed schedule's" in proc.stdout + proc.stderr
+    # a resume onto other data: one line, exit code 2
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"text": f"another corpus, document {i}. " * 8}) + "\n" for i in range(30)))
+    proc = subprocess.run([sys.executable, "-m", "hybridtitan.train", "--job.config_file", RECIPE, "--job.dump_folder",
+                           str(dump), *QUICK, "--training.steps", "10", "--checkpoint.enable", "true", "--data.path",
+                           str(other)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and "cannot resume from the checkpoint" in errors[0] and "other data" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
 def test_async_checkpoints_complete_and_resume(tmp_path):
@@ -294,6 +306,25 @@ def test_checkpoint_checks_before_training(tmp_path, capsys):
     assert code == 2 and "step 6 not found" in err
 
 
+def test_model_only_last_checkpoint_is_not_resumed(tmp_path, capsys):
+    """A model-only step after full ones (checkpoint.last_save_model_only) ends a run: resuming from it would
+    restart at step 0 below the full checkpoints. Refused before anything is touched."""
+    import torch.distributed.checkpoint as dcp
+
+    from hybridtitan.checkpoint import model_args_to_dict
+    from hybridtitan.models import get_flavor
+
+    dump = tmp_path / "run"
+    step = dump / "checkpoint" / "step-4"
+    dcp.save({"model": {"w": torch.zeros(2)}}, checkpoint_id=str(step), no_dist=True)
+    (step / "model_args.json").write_text(json.dumps(model_args_to_dict(get_flavor("debug_hybrid"))))
+    before = {p: p.stat().st_mtime_ns for p in dump.rglob("*")}
+    code, err = _main_error(capsys, ["--job.config_file", RECIPE, "--checkpoint.enable", "true",
+                                     "--job.dump_folder", str(dump)])
+    assert code == 2 and "holds only the model" in err and "initial_load_path" in err and "\n" not in err, err
+    assert {p: p.stat().st_mtime_ns for p in dump.rglob("*")} == before
+
+
 @pytest.mark.parametrize("argv,expected", [
     (["--model.n_layers", "12"], "hand-written pattern"),  # debug_hybrid's pattern is not the ratio's
     (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "0"],
@@ -303,6 +334,14 @@ def test_checkpoint_checks_before_training(tmp_path, capsys):
     (["--compile.enable", "true", "--compile.components", "loss,nrom"],
      "must name some of model, loss, norm and swiglu"),
     (["--parallelism.fsdp_reshard_after_forward", "sometimes"], "invalid choice 'sometimes'"),
+    (["--training.gc_freq", "0"], "training.gc_freq must be 1 or more"),
+    (["--training.max_norm", "-1"], "training.max_norm must be a positive number"),
+    (["--optimizer.lr", "nan"], "optimizer.lr must be a positive number"),
+    (["--optimizer.beta1", "1.5"], "optimizer.beta1 must be in [0, 1)"),
+    (["--optimizer.weight_decay", "-0.1"], "optimizer.weight_decay must be 0 or more"),
+    (["--lr_scheduler.min_lr_factor", "2"], "lr_scheduler.min_lr_factor must be in [0, 1]"),
+    (["--debug.seed", "-1"], "debug.seed must be in [0, 2**32)"),
+    (["--profiling.enable_profiling", "--profiling.profiler_active", "0"], "profiling.profiler_active"),
 ])
 def test_more_bad_input(tmp_path, capsys, argv, expected):
     code, err = _main_error(capsys, ["--job.config_file", RECIPE, "--job.dump_folder", str(tmp_path / "d"), *argv])
@@ -319,3 +358,72 @@ def test_bad_input_subprocess_no_traceback(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines == ["error: training.steps must be positive, got 0"], proc.stderr
     assert not (tmp_path / "d").exists()
+
+
+def test_help_lists_the_supported_keys(capsys):
+    """--help: hybridtitan's keys with their own descriptions, torchtitan's refused options left out."""
+    from hybridtitan import describe
+    from hybridtitan.config import SUPPORTED_TITAN_KEYS, _check_cli
+
+    with pytest.raises(SystemExit) as exc:
+        train_mod.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    listed = {line.split()[0][2:] for line in out.splitlines() if line.startswith("  --")}
+    _check_cli([f"--{key}" for key in listed])  # every key listed is one the parser knows
+    for section, keys in SUPPORTED_TITAN_KEYS.items():
+        assert {f"{section}.{k}" for k in keys} <= listed
+    assert {"training.loss_chunk_size", "data.document_boundaries", "model.pattern", "model.mla.kv_lora_rank",
+            "checkpoint.last_save_model_only"} <= listed
+    assert not {"parallelism.tensor_parallel_degree", "training.dataset", "job.custom_config_module"} & listed
+    assert not any(key.startswith(("quantize.", "validation.", "fault_tolerance.")) for key in listed)
+    assert "Tokens per chunk of the fused linear cross-entropy" in out  # the docstring of a merged-in key
+    assert "--checkpoint.async_mode (disabled or async;" in out  # not torchtitan's async_with_pinned_mem
+    with pytest.raises(SystemExit) as exc:
+        describe.main(["--help"])
+    assert exc.value.code == 0 and "python -m hybridtitan.describe --list" in capsys.readouterr().out
+
+
+def test_lr_schedule_held_at_its_floor_past_its_end():
+    """Past lr_scheduler.total_steps torchtitan's decay goes on below lr * min_lr_factor, to negative rates; ours
+    holds the floor there and is torchtitan's schedule everywhere else (warm-up included)."""
+    from torchtitan.components.lr_scheduler import build_lr_schedulers
+
+    from hybridtitan.config import parse_config
+    from hybridtitan.optim import build_lr_scheduler
+
+    cfg = parse_config(["--job.config_file", RECIPE, "--training.steps", "30", "--lr_scheduler.total_steps", "12",
+                        "--lr_scheduler.warmup_steps", "4", "--lr_scheduler.min_lr_factor", "0.1",
+                        "--lr_scheduler.decay_type", "linear"], check_data=False)
+
+    def rates(build):
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        sched = build(opt)
+        out = []
+        for _ in range(30):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return out, sched
+
+    ours, sched = rates(lambda opt: build_lr_scheduler(opt, cfg))
+    titan, _ = rates(lambda opt: build_lr_schedulers([opt], cfg.lr_scheduler, cfg.training.steps))
+    assert min(titan) < 0  # what is fixed
+    assert ours[:12] == titan[:12] and ours[0] == pytest.approx(0.25)  # warm-up from lr/4, decay as torchtitan's
+    assert ours[12:] == [pytest.approx(0.1)] * 18
+    state = sched.state_dict()
+    assert state["lr_lambdas"] == [{}]  # nothing of the wrapper in checkpoints
+
+
+def test_error_on_one_rank_ends_the_run_at_once(tmp_path):
+    """A rank that fails (here: its shard of the data holds only empty documents) exits with its own error; the
+    others are stopped by torchrun instead of waiting out the collective timeout in a final barrier."""
+    data = tmp_path / "odd.jsonl"
+    data.write_text("".join(json.dumps({"text": f"document {i} has some words in it. " * 5 if i % 2 == 0 else ""})
+                            + "\n" for i in range(40)))
+    t0 = time.monotonic()
+    proc = run_train(tmp_path / "run", *QUICK, "--training.steps", "4", "--data.path", str(data), "--data.shuffle",
+                     "false", "--comm.init_timeout_seconds", "120", check=False, timeout=300)
+    assert proc.returncode != 0
+    assert "shard 1 of 2 holds only empty documents" in proc.stdout + proc.stderr
+    assert time.monotonic() - t0 < 90, "waited for the collective timeout"

@@ -50,6 +50,15 @@ class Data:
     """DataLoader worker processes (0: load in the training process); resume needs the same value"""
 
 
+def recorded_path(path: str) -> str:
+    """How a run records a local path (job_config.json), for export and evaluation run from another directory:
+    a relative path that exists here made absolute; the package's own ("hybridtitan/assets/...") and hub names
+    kept as given (the first resolve to the installed package anywhere, see resolve_path)."""
+    if path.startswith("hybridtitan/") or os.path.isabs(path) or not os.path.exists(path):
+        return path
+    return os.path.abspath(path)
+
+
 def resolve_path(path: str) -> str:
     """`path` as given if it exists; else, for a path inside the package (the default tokenizer and corpus,
     "hybridtitan/assets/..."), the installed package's copy, so recipes work from any working directory."""

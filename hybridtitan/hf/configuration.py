@@ -7,9 +7,50 @@ them, and are never read back.
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 from transformers import PreTrainedConfig
 
 from hybridtitan.models import ModelArgs
+
+# For trust_remote_code: a saved folder's auto_map names these two files, which import hybridtitan (it must be
+# installed). Importing hybridtitan registers the classes with the Auto classes instead.
+REMOTE_CODE = {
+    "configuration_hybridtitan.py": (
+        '"""hybridtitan\'s Hugging Face config, for trust_remote_code. Requires hybridtitan to be installed."""\n\n'
+        "from hybridtitan.hf.configuration import HybridTitanConfig  # noqa: F401\n"),
+    "modeling_hybridtitan.py": (
+        '"""hybridtitan\'s Hugging Face model class, for trust_remote_code. Requires hybridtitan to be installed."""'
+        "\n\nfrom hybridtitan.hf.modeling import HybridCache, HybridTitanForCausalLM  # noqa: F401\n"),
+}
+AUTO_MAP = {
+    "AutoConfig": "configuration_hybridtitan.HybridTitanConfig",
+    "AutoModelForCausalLM": "modeling_hybridtitan.HybridTitanForCausalLM",
+}
+
+
+def write_remote_code(folder: str) -> None:
+    for name, text in REMOTE_CODE.items():
+        with open(os.path.join(folder, name), "w") as f:
+            f.write(text)
+
+
+@contextlib.contextmanager
+def without_auto_class(obj):
+    """transformers' save_pretrained copies the source file of a class loaded through trust_remote_code (here
+    hybridtitan's own module, under its own name) and points auto_map at it, which then fails to load: saving
+    with ``_auto_class`` unset skips that, and REMOTE_CODE / AUTO_MAP are written instead."""
+    own = "_auto_class" in vars(obj)
+    saved = vars(obj).get("_auto_class")
+    obj._auto_class = None
+    try:
+        yield
+    finally:
+        if own:
+            obj._auto_class = saved
+        else:
+            del obj._auto_class
 
 
 class HybridTitanConfig(PreTrainedConfig):
@@ -45,6 +86,13 @@ class HybridTitanConfig(PreTrainedConfig):
         if not self.model_args:
             raise ValueError("this hybridtitan config has no model_args")
         return model_args_from_dict(self.model_args)
+
+    def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
+        """Also writes the two files that auto_map names, so that the folder loads with trust_remote_code."""
+        self.auto_map = dict(AUTO_MAP)
+        with without_auto_class(self):
+            super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
+        write_remote_code(save_directory)
 
     @classmethod
     def from_model_args(cls, args: ModelArgs, **kwargs) -> "HybridTitanConfig":

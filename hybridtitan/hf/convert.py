@@ -150,6 +150,8 @@ def model_args_from_fla_config(cfg: dict) -> ModelArgs:
         want("output_gate_activation", lambda v: v in ("swish", "silu"), "swish")
     else:
         want("safe_gate", lambda v: not v, False)
+        # FLA's KDA switches to a sigmoid gate bounded below by lower_bound whenever it is set
+        want("lower_bound", lambda v: v is None, None)
     hidden, heads, head_dim = cfg["hidden_size"], cfg["num_heads"], cfg["head_dim"]
     expand_v = cfg.get("expand_v", 2.0 if mixer == "gdn" else 1.0)
     head_v_dim = int(head_dim * expand_v)

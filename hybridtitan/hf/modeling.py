@@ -18,7 +18,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from hybridtitan.models import HybridLM, InferenceCache
 from hybridtitan.models.model import init_module
 
-from .configuration import HybridTitanConfig
+from .configuration import HybridTitanConfig, without_auto_class
 
 
 class HybridCache(Cache):
@@ -118,6 +118,12 @@ class HybridTitanPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["Sublayer"]
     _is_stateful = True  # recurrent state: no assisted decoding, no cache cropping
     supports_gradient_checkpointing = False
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """As transformers', without copying this package's modules into the folder after a trust_remote_code
+        load: the config's save_pretrained writes the two small files that auto_map names."""
+        with without_auto_class(self), without_auto_class(self.config):
+            return super().save_pretrained(save_directory, *args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

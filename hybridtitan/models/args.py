@@ -18,7 +18,7 @@ class GDNArgs:
     num_v_heads: int = 8  # value heads (grouped: a multiple of num_heads)
     head_dim: int = 64  # key dimension per head
     head_v_dim: int = 64  # value dimension per head
-    conv_size: int = 4
+    conv_size: int = 4  # short causal convolution's kernel size
 
 
 @dataclass
@@ -26,20 +26,20 @@ class KDAArgs:
     """Kimi Delta Attention: per-key-channel decay through a low-rank gate of rank head_v_dim (FLA's KDA)."""
 
     num_heads: int = 8
-    head_dim: int = 32
-    head_v_dim: int = 64
-    conv_size: int = 4
+    head_dim: int = 32  # key dimension per head
+    head_v_dim: int = 64  # value dimension per head, also the rank of the low-rank gates
+    conv_size: int = 4  # short causal convolution's kernel size
 
 
 @dataclass
 class Mamba2Args:
     """Mamba2 (SSD), computed with the simple-GLA chunk kernel."""
 
-    d_state: int = 64
-    head_dim: int = 64
-    n_groups: int = 8
-    expand: int = 2
-    conv_size: int = 4
+    d_state: int = 64  # state size per head (the B and C width per group)
+    head_dim: int = 64  # channels per head (heads = expand x dim / head_dim)
+    n_groups: int = 8  # groups of heads sharing B and C
+    expand: int = 2  # inner width = expand x dim
+    conv_size: int = 4  # short causal convolution's kernel size
 
 
 @dataclass
@@ -47,19 +47,18 @@ class MLAArgs:
     """DeepSeek-V2 multi-latent attention; q_lora_rank = 0 projects queries directly."""
 
     num_heads: int = 16
-    q_lora_rank: int = 672
-    kv_lora_rank: int = 64
-    qk_nope_head_dim: int = 32
-    qk_rope_head_dim: int = 32
-    v_head_dim: int = 64
-    rope_theta: float = 500000.0
-    # YaRN: a scaling factor of 1 is plain RoPE
-    rope_scaling_factor: float = 1.0
-    original_max_position_embeddings: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
+    q_lora_rank: int = 672  # query latent width (0: queries projected directly)
+    kv_lora_rank: int = 64  # key/value latent width
+    qk_nope_head_dim: int = 32  # query/key dimension per head without RoPE
+    qk_rope_head_dim: int = 32  # query/key dimension per head with RoPE (the key's part shared by all heads)
+    v_head_dim: int = 64  # value dimension per head
+    rope_theta: float = 500000.0  # RoPE base
+    rope_scaling_factor: float = 1.0  # YaRN context extension factor (1: plain RoPE)
+    original_max_position_embeddings: int = 4096  # YaRN: the context length trained without scaling
+    beta_fast: float = 32.0  # YaRN: rotations above which frequencies are kept
+    beta_slow: float = 1.0  # YaRN: rotations below which frequencies are interpolated
+    mscale: float = 1.0  # YaRN attention temperature
+    mscale_all_dim: float = 0.0  # YaRN attention temperature over all dimensions
 
 
 @dataclass

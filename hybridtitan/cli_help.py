@@ -1,0 +1,153 @@
+"""``--help`` for the trainer and ``describe``: the keys hybridtitan reads, with their defaults and meaning.
+
+tyro's help for torchtitan's JobConfig with hybridtitan's sections merged in runs to ~1,000 lines, most of them
+torchtitan options that hybridtitan refuses, and it loses the descriptions of the merged-in keys. This help
+lists only the supported keys; each description is the docstring (or trailing comment) of the field in the
+dataclass that defines it, or the text below where hybridtitan's behaviour differs from torchtitan's.
+"""
+
+import ast
+import inspect
+import textwrap
+import typing
+from dataclasses import fields, is_dataclass
+from typing import Literal
+
+# Where hybridtitan accepts less than the torchtitan field's type admits, or does something else with it.
+OVERRIDES = {
+    "activation_checkpoint.mode": ("none, selective or full",
+                                   "none; selective: every N-th sublayer (N = selective_ac_option); full: every "
+                                   "sublayer is recomputed in the backward pass"),
+    "activation_checkpoint.selective_ac_option": ("N", "selective mode: checkpoint every N-th sublayer (an "
+                                                       "integer >= 1)"),
+    "checkpoint.async_mode": ("disabled or async", "async: checkpoints are written in the background while "
+                                                   "training goes on"),
+    "checkpoint.keep_latest_k": (None, "Keep only the newest K checkpoints (0: keep all)"),
+    "compile.enable": (None, "torch.compile the parts named in compile.components"),
+    "compile.components": ("list of model, loss, norm, swiglu",
+                           "model: each sublayer; loss: the elementwise part of each cross-entropy chunk; norm: "
+                           "each RMSNorm with the residual add before it; swiglu: the MLPs' elementwise passes"),
+    "training.mixed_precision_param": (None, "GPUs: the dtype FSDP2 gathers parameters in and computes with "
+                                             "(master weights stay float32). CPUs always compute in float32"),
+    "training.mixed_precision_reduce": (None, "The dtype of FSDP2's gradient reductions"),
+    "optimizer.name": ("AdamW or Adam", "Weight decay applies to weight matrices only"),
+    "metrics.log_freq": (None, "Log loss, grad norm, lr, tokens/s, MFU and memory every N steps (console, "
+                               "dump_folder/metrics.jsonl, TensorBoard)"),
+    "metrics.enable_wandb": (None, "Also log to Weights & Biases (pip install wandb)"),
+    "model.name": (None, "Model family (only 'hybrid')"),
+    "debug.seed": (None, "Base seed of the initial weights, the data order and the RNGs (None: 42)"),
+}
+
+MODEL_SUBSECTIONS = ("gdn", "kda", "mamba2", "mla")
+
+
+def _field_docs(cls) -> dict[str, str]:
+    """Each field's docstring (the string literal after it) or, failing that, its trailing ``#`` comment."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    lines = source.splitlines()
+    body = ast.parse(source).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:] + [None]):
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value,
+                                                                                                 str):
+            docs[node.target.id] = _flow(inspect.cleandoc(after.value.value))
+        elif node.end_lineno == node.lineno:
+            rest = lines[node.lineno - 1][node.end_col_offset:].strip()
+            if rest.startswith("#"):
+                docs[node.target.id] = rest[1:].strip()
+    return docs
+
+
+def _flow(doc: str) -> str:
+    """A docstring's lines joined into paragraphs; a line that starts a list item ("- ...") stays a line."""
+    out = []
+    for line in doc.splitlines():
+        line = line.strip()
+        if out and line and not line.startswith("- ") and out[-1]:
+            out[-1] += " " + line
+        else:
+            out.append(line)
+    return "\n".join(line for line in out if line)
+
+
+def _type_text(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " or ".join(str(a) for a in typing.get_args(tp))
+    if origin is list:
+        (item,) = typing.get_args(tp) or (str,)
+        return f"list of {_type_text(item)}"
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if args and len(args) < len(typing.get_args(tp)):  # X | None
+        return _type_text(args[0])
+    return "true or false" if tp is bool else getattr(tp, "__name__", str(tp))
+
+
+def _entries(job_config_cls, titan_cls, extension_cls, supported: dict[str, set[str]]):
+    """(section, [(key, type text, default, description)]) in the JobConfig's order."""
+    job_defaults = job_config_cls()
+    for section_field in fields(job_config_cls):
+        section = section_field.name
+        ours = getattr(extension_cls(), section, None)
+        our_cls = type(ours) if ours is not None else None
+        titan_section_cls = type(getattr(titan_cls(), section, None))
+        our_docs = _field_docs(our_cls) if our_cls else {}
+        titan_docs = _field_docs(titan_section_cls) if is_dataclass(titan_section_cls) else {}
+        our_names = {f.name for f in fields(our_cls)} if our_cls else set()
+        merged_cls = type(getattr(job_defaults, section))
+        hints = typing.get_type_hints(merged_cls)
+        rows = []
+        for f in fields(merged_cls):
+            key = f"{section}.{f.name}"
+            if f.name in our_names:
+                doc = our_docs.get(f.name, "")
+            elif f.name in supported.get(section, ()):
+                doc = titan_docs.get(f.name, "")
+            else:
+                continue
+            tp = hints[f.name]
+            if section == "model" and f.name in MODEL_SUBSECTIONS:
+                rows += _model_subsection(f.name, tp)
+                continue
+            type_text, override = OVERRIDES.get(key, (None, None))
+            rows.append((key, type_text or _type_text(tp), getattr(getattr(job_defaults, section), f.name),
+                         override or doc))
+        if rows:
+            yield section, rows
+
+
+def _model_subsection(name: str, overrides_cls):
+    from hybridtitan.models import GDNArgs, KDAArgs, Mamba2Args, MLAArgs
+
+    args_cls = {"gdn": GDNArgs, "kda": KDAArgs, "mamba2": Mamba2Args, "mla": MLAArgs}[name]
+    docs = _field_docs(args_cls)
+    hints = typing.get_type_hints(overrides_cls)
+    return [(f"model.{name}.{f.name}", _type_text(hints[f.name]), "the flavor's", docs.get(f.name, ""))
+            for f in fields(overrides_cls)]
+
+
+def help_text(usage: str) -> str:
+    from torchtitan.config import JobConfig as TitanJobConfig
+
+    from hybridtitan.config import SUPPORTED_TITAN_KEYS, JobConfig, _Extension
+
+    out = [usage.rstrip(), "",
+           "Every key below can be set in a recipe's [section] or overridden on the command line as",
+           "--section.key value (booleans also as --section.flag / --section.no_flag; lists comma-separated).",
+           "--job.print_config prints the merged configuration. torchtitan's other options are refused when set.",
+           "The defaults are those without a recipe; a recipe (train_configs/*.toml) sets most of them.", ""]
+    for section, rows in _entries(JobConfig, TitanJobConfig, _Extension, SUPPORTED_TITAN_KEYS):
+        out.append(f"[{section}]")
+        for key, type_text, default, doc in rows:
+            out.append(f"  --{key} ({type_text}; default: {default!r})" if default != "the flavor's"
+                       else f"  --{key} ({type_text}; default: the flavor's)")
+            for paragraph in doc.splitlines():
+                out += textwrap.wrap(paragraph, 112, initial_indent="      ", subsequent_indent="        "
+                                     if paragraph.startswith("- ") else "      ")
+        out.append("")
+    return "\n".join(out)
