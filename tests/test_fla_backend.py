@@ -52,3 +52,27 @@ def test_packed_simple_gla_pads_small_head_dims_exactly(monkeypatch, scale):
     with torch.no_grad():
         fla_backend.simple_gla(q, k, v, g, scale, cu, None, False)
     assert seen == [(K, V), (K, V)]
+
+
+def test_delta_rules_pass_their_chunk_size_and_decode_without_one(monkeypatch):
+    """Training calls reach FLA's chunked kernels with CHUNK_SIZE's chunk for their mixer (32 for KDA, measured
+    faster on an H200); decoding goes to the recurrent kernels, which take none."""
+    calls = []
+
+    def stand_in(name):
+        def fn(**kwargs):
+            calls.append((name, kwargs.get("chunk_size")))
+            return kwargs["v"], None
+        return fn
+
+    for name in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_kda", "fused_recurrent_kda"):
+        monkeypatch.setattr(fla_backend, name, stand_in(name))
+    q = torch.zeros(1, 128, 2, 8, requires_grad=True)
+    args = (q, q, q, None, None, None, None, None, None, False)
+    fla_backend.gated_delta_rule(*args)
+    fla_backend.kda(*args)
+    with torch.no_grad():
+        fla_backend.kda(q[:, :1], *args[1:])
+    assert calls == [("chunk_gated_delta_rule", fla_backend.CHUNK_SIZE["gdn"]),
+                     ("chunk_kda", fla_backend.CHUNK_SIZE["kda"]), ("fused_recurrent_kda", None)]
+    assert fla_backend.CHUNK_SIZE == {"gdn": 64, "kda": 32}

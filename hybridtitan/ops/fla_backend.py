@@ -20,6 +20,11 @@ from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
 # Below this many tokens without gradients (decoding), the recurrent kernels beat the chunked ones.
 RECURRENT_MAX_TOKENS = 64
 
+# Tokens per chunk of the chunked delta-rule kernels (FLA's default is 64; both take 32). At KDA's key dim of 32 a
+# chunk of 32 ran a kda_300M layer's forward + backward in 4.01 against 4.77 ms on an H200 (docs/benchmarks.md,
+# thirteenth measurement). Same arithmetic either way, up to the order of bf16 roundings.
+CHUNK_SIZE = {"gdn": 64, "kda": 32}
+
 
 def _decoding(q: torch.Tensor) -> bool:
     return not torch.is_grad_enabled() and q.shape[1] <= RECURRENT_MAX_TOKENS
@@ -31,24 +36,25 @@ def _v_first(state):
     return state.transpose(-1, -2).contiguous() if state is not None else None
 
 
-def _delta_rule(chunk_fn, recurrent_fn, q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state,
+def _delta_rule(mixer, chunk_fn, recurrent_fn, q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state,
                 output_final_state):
     """GDN and KDA take the same arguments: raw gate and beta logits, the gate and L2 norm fused in the kernel."""
-    fn = recurrent_fn if _decoding(q) else chunk_fn
-    o, state = fn(
+    decoding = _decoding(q)
+    o, state = (recurrent_fn if decoding else chunk_fn)(
         q=q, k=k, v=v, g=a, beta=b, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True,
         use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, initial_state=_v_first(initial_state),
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, state_v_first=True,
+        **({} if decoding else {"chunk_size": CHUNK_SIZE[mixer]}),
     )
     return o, _v_first(state)
 
 
 def gated_delta_rule(*args):
-    return _delta_rule(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, *args)
+    return _delta_rule("gdn", chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, *args)
 
 
 def kda(*args):
-    return _delta_rule(chunk_kda, fused_recurrent_kda, *args)
+    return _delta_rule("kda", chunk_kda, fused_recurrent_kda, *args)
 
 
 # FLA 0.6.0's chunked simple-GLA backward with packed documents (cu_seqlens) is only trusted at head dims of at
