@@ -87,6 +87,10 @@ def is_model_only(step_dir: str) -> bool:
         keys = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
     except Exception:  # noqa: BLE001 -- any damage (unpickling, I/O) is reported by the load itself
         return False
+    return _only_the_model(keys)
+
+
+def _only_the_model(keys) -> bool:
     return not any(k.startswith("optimizer.") for k in keys)
 
 
@@ -313,7 +317,7 @@ class CheckpointManager:
             dcp.load({"model": _ModelState(self.model)}, checkpoint_id=step_dir)
             return
         keys = set(dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata)
-        if is_model_only(step_dir):
+        if _only_the_model(keys):
             logger.warning(f"{step_dir} holds only the model: the optimizer, schedule and data start afresh")
             dcp.load({"model": _ModelState(self.model)}, checkpoint_id=step_dir)
             return

@@ -90,12 +90,12 @@ def _type_text(tp) -> str:
 
 def _entries(job_config_cls, titan_cls, extension_cls, supported: dict[str, set[str]]):
     """(section, [(key, type text, default, description)]) in the JobConfig's order."""
-    job_defaults = job_config_cls()
+    job_defaults, titan_defaults, extension = job_config_cls(), titan_cls(), extension_cls()
     for section_field in fields(job_config_cls):
         section = section_field.name
-        ours = getattr(extension_cls(), section, None)
+        ours = getattr(extension, section, None)
         our_cls = type(ours) if ours is not None else None
-        titan_section_cls = type(getattr(titan_cls(), section, None))
+        titan_section_cls = type(getattr(titan_defaults, section, None))
         our_docs = _field_docs(our_cls) if our_cls else {}
         titan_docs = _field_docs(titan_section_cls) if is_dataclass(titan_section_cls) else {}
         our_names = {f.name for f in fields(our_cls)} if our_cls else set()

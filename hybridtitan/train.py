@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from hybridtitan import ops
 from hybridtitan.checkpoint import (
+    CheckpointError,
     CheckpointManager,
     complete_steps,
     is_model_only,
@@ -152,7 +153,7 @@ def _check_checkpoints(cfg, args) -> None:
     if start is not None:
         try:
             saved = load_model_args(start)
-        except (OSError, ValueError, TypeError, KeyError) as e:
+        except CheckpointError as e:  # load_model_args turns every read or parse failure into one
             raise ConfigError(f"{start} is not a hybridtitan checkpoint: {first_error_line(e)}") from None
         if saved != args:
             diff = [f.name for f in dataclasses.fields(args) if getattr(saved, f.name) != getattr(args, f.name)]
