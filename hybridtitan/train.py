@@ -243,15 +243,15 @@ def train(cfg, plan: Plan) -> dict:
     param_dtype = getattr(torch, cfg.training.mixed_precision_param) if on_gpu else torch.float32
     if not on_gpu and cfg.training.mixed_precision_param != "float32":
         logger.info("CPU: parameters and activations in float32 (training.mixed_precision_param applies to GPUs)")
-    if on_gpu and args.mixer == "mamba2" and cfg.data.document_boundaries:
-        from hybridtitan.ops.fla_backend import PACKED_MIN_HEAD_DIM
+    if on_gpu and args.mixer == "mamba2":
+        from hybridtitan.ops.fla_backend import MIN_TRAINED_HEAD_DIM
 
-        if min(args.mamba2.d_state, args.mamba2.head_dim) < PACKED_MIN_HEAD_DIM:
+        if min(args.mamba2.d_state, args.mamba2.head_dim) < MIN_TRAINED_HEAD_DIM:
             # handled (and checked on an H200), but the padding costs compute worth knowing about
-            logger.info("Mamba2 with d_state %d, head_dim %d and packed documents: FLA's packed simple-GLA "
-                        "backward faulted or was wrong below %d on an H200, so smaller dims are padded to it "
+            logger.info("Mamba2 with d_state %d, head_dim %d: FLA's simple-GLA backward faulted or was wrong "
+                        "below %d on an H200, so smaller dims are padded to it in training "
                         "(hybridtitan.ops.fla_backend; docs/benchmarks.md)",
-                        args.mamba2.d_state, args.mamba2.head_dim, PACKED_MIN_HEAD_DIM)
+                        args.mamba2.d_state, args.mamba2.head_dim, MIN_TRAINED_HEAD_DIM)
     model = build_parallel_model(args, mesh, device, ac_mode=cfg.activation_checkpoint.mode,
                                  ac_every=selective_ac_interval(cfg),
                                  compile_model=compiles(cfg, "model"),

@@ -7,11 +7,12 @@ import torch
 from hybridtitan.ops import fla_backend, reference
 
 
+@pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("scale", [None, 1.0])
-def test_packed_simple_gla_pads_small_head_dims_exactly(monkeypatch, scale):
-    """With packed documents and a backward pass to come, key and value dims below 64 reach FLA's kernel padded
-    with zero columns (its packed backward faulted or was wrong below 64): outputs, final states and every
-    gradient are those of the unpadded computation."""
+def test_simple_gla_pads_small_head_dims_exactly_in_training(monkeypatch, scale, packed):
+    """With a backward pass to come, key and value dims below 64 reach FLA's kernel padded with zero columns (its
+    backward faulted or was wrong below 64), packed documents or not: outputs, final states and every gradient
+    are those of the unpadded computation. Without a backward pass (evaluation) nothing is padded."""
     seen = []
 
     def stand_in(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens):
@@ -22,11 +23,12 @@ def test_packed_simple_gla_pads_small_head_dims_exactly(monkeypatch, scale):
     monkeypatch.setattr(fla_backend, "chunk_simple_gla", stand_in)
     gen = torch.Generator().manual_seed(0)
     T, H, K, V = 96, 2, 16, 8
-    cu = torch.tensor([0, 30, 96])
+    cu = torch.tensor([0, 30, 96]) if packed else None
+    n_states = 2 if packed else 1  # one per document, or per row of the batch of one
     q, k = (torch.randn(1, T, H, K, generator=gen, dtype=torch.float64) for _ in range(2))
     v = torch.randn(1, T, H, V, generator=gen, dtype=torch.float64)
     g = -torch.rand(1, T, H, generator=gen, dtype=torch.float64)
-    h0 = torch.randn(2, H, K, V, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(n_states, H, K, V, generator=gen, dtype=torch.float64)
     inputs = [x.requires_grad_() for x in (q, k, v, g, h0)]
 
     def run(fn):
@@ -37,20 +39,20 @@ def test_packed_simple_gla_pads_small_head_dims_exactly(monkeypatch, scale):
         return o.detach(), state.detach(), [x.grad.clone() for x in inputs]
 
     padded = run(fla_backend.simple_gla)
-    assert seen == [(fla_backend.PACKED_MIN_HEAD_DIM, fla_backend.PACKED_MIN_HEAD_DIM)]
+    assert seen == [(fla_backend.MIN_TRAINED_HEAD_DIM, fla_backend.MIN_TRAINED_HEAD_DIM)]
     plain = run(lambda q, k, v, g, s, c, h, f: reference.chunk_simple_gla(
         q, k, v, g, scale=s, initial_state=h, output_final_state=f, cu_seqlens=c))
-    assert padded[0].shape == (1, T, H, V) and padded[1].shape == (2, H, K, V)
+    assert padded[0].shape == (1, T, H, V) and padded[1].shape == (n_states, H, K, V)
     # the reference kernel computes in float32 whatever its inputs: wider value blocks change the order of its
     # float32 sums, hence a float32-level relative error over each tensor (a wrong padding is off by ~1)
     for a, b in zip([padded[0], padded[1], *padded[2]], [plain[0], plain[1], *plain[2]]):
         assert a.shape == b.shape
         assert (a - b).norm() <= 1e-6 * b.norm()
 
-    seen.clear()  # dense batches, and packed ones without a backward pass (evaluation), are left as they are
-    fla_backend.simple_gla(q, k, v, g, scale, None, None, False)
+    seen.clear()  # calls without a backward pass (evaluation) are left as they are
     with torch.no_grad():
         fla_backend.simple_gla(q, k, v, g, scale, cu, None, False)
+    fla_backend.simple_gla(q.detach(), k.detach(), v.detach(), g.detach(), scale, cu, None, False)
     assert seen == [(K, V), (K, V)]
 
 

@@ -57,14 +57,15 @@ def kda(*args):
     return _delta_rule("kda", chunk_kda, fused_recurrent_kda, *args)
 
 
-# FLA 0.6.0's chunked simple-GLA backward with packed documents (cu_seqlens) is only trusted at head dims of at
-# least 64. On an H200 (scripts/probe_mamba2_packed.py, scripts/gpu_check.py): at key dim 16 (debug_mamba2's
-# d_state) it faults in chunk_bwd_dqkwg (an illegal memory access) or returns a wrong gate gradient; at key dim 64
-# and value dim 32 (debug_mamba2's head dim) the op check over four documents of 2,048 tokens faulted too; at 64 and
-# 64 every packed check passed, and dense batches are right at 16 and 32. Zero columns of q and k add nothing to
-# q k^T, to the state's other rows or to any gradient; zero columns of v give zero output columns and state
-# columns, which are cut off. So when a backward pass will follow, smaller head dims are padded to this.
-PACKED_MIN_HEAD_DIM = 64
+# FLA 0.6.0's chunked simple-GLA backward is only trusted at head dims of at least 64. On an H200
+# (scripts/probe_mamba2_packed.py, scripts/gpu_check.py): at key dim 16 and value dim 32 (debug_mamba2's d_state
+# and head dim) chunk_bwd_dqkwg faulted (an illegal memory access) or returned a wrong gate gradient with packed
+# documents, and faulted on dense batches too while its autotuner tried its configurations (a fresh Triton cache,
+# 2026-12-01); at key dim 64 and value dim 32 the packed op check faulted too; at 64 and 64 every check passed.
+# Zero columns of q and k add nothing to q k^T, to the state's other rows or to any gradient; zero columns of v
+# give zero output columns and state columns, which are cut off. So when a backward pass will follow, smaller head
+# dims are padded to this (the forward pass alone was right at 16 and 32, so evaluation runs unpadded).
+MIN_TRAINED_HEAD_DIM = 64
 
 
 def simple_gla(q, k, v, g, scale, cu_seqlens, initial_state, output_final_state):
@@ -72,9 +73,8 @@ def simple_gla(q, k, v, g, scale, cu_seqlens, initial_state, output_final_state)
     fn = fused_recurrent_simple_gla if decoding else chunk_simple_gla
     key_dim, value_dim = q.shape[-1], v.shape[-1]
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g))
-    padding = cu_seqlens is not None and backward
-    pad_k = max(PACKED_MIN_HEAD_DIM - key_dim, 0) if padding else 0
-    pad_v = max(PACKED_MIN_HEAD_DIM - value_dim, 0) if padding else 0
+    pad_k = max(MIN_TRAINED_HEAD_DIM - key_dim, 0) if backward else 0
+    pad_v = max(MIN_TRAINED_HEAD_DIM - value_dim, 0) if backward else 0
     if pad_k:
         scale = key_dim ** -0.5 if scale is None else scale  # FLA's default would see the padded width
         q, k = F.pad(q, (0, pad_k)), F.pad(k, (0, pad_k))
