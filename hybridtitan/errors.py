@@ -12,3 +12,16 @@ def first_error_line(e: BaseException, with_type: bool = False) -> str:
     if with_type:
         return f"{type(e).__name__}: {text}"
     return text or type(e).__name__
+
+
+class DataError(ValueError):
+    """Training data found unusable while it is read (after the start-up checks): a shard of empty documents."""
+
+
+def data_error_line(e: DataError) -> str:
+    """One line for a DataError, also when a data-loader worker raised it (torch re-raises it in the main process
+    with a message that opens "Caught DataError in DataLoader worker process N." and ends with the original)."""
+    lines = [line for line in str(e).strip().splitlines() if line.strip()] or [type(e).__name__]
+    if lines[0].startswith("Caught ") and len(lines) > 1:
+        return lines[-1].split(f"{type(e).__name__}: ", 1)[-1]
+    return lines[0]

@@ -30,10 +30,38 @@ def _fmt_time(seconds: float) -> str:
     return str(datetime.timedelta(seconds=int(max(seconds, 0))))
 
 
+def set_aside_records_after(path: str, step: int) -> int:
+    """Moves the records of ``path`` past ``step`` to ``metrics.superseded.jsonl`` beside it: a run resumed at
+    ``step`` trains the later steps again (after a crash between two checkpoints, say), or a run that starts
+    afresh in the folder of an earlier one. A line cut short by a crash goes too. Returns how many moved."""
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    keep, superseded = [], []
+    for line in lines:
+        try:
+            kept = json.loads(line)["step"] <= step
+        except (ValueError, KeyError, TypeError):
+            kept = False
+        (keep if kept else superseded).append(line if line.endswith("\n") else line + "\n")
+    if not superseded:
+        return 0
+    with open(os.path.join(os.path.dirname(path), "metrics.superseded.jsonl"), "a") as f:
+        f.writelines(superseded)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)
+    logger.info(f"metrics.jsonl: {len(superseded)} record(s) past step {step} moved to metrics.superseded.jsonl "
+                "(steps trained again, or an earlier run's)")
+    return len(superseded)
+
+
 class MetricsLogger:
     def __init__(self, dump_folder: str, *, rank: int, total_steps: int, flops_per_token: float,
                  device: torch.device, enable_tensorboard: bool, tb_folder: str, enable_wandb: bool,
-                 job_config: dict | None = None):
+                 job_config: dict | None = None, start_step: int = 0):
         self.rank, self.total_steps = rank, total_steps
         self.flops_per_token, self.device = flops_per_token, device
         self.peak = peak_flops(device)
@@ -43,8 +71,10 @@ class MetricsLogger:
         if rank != 0:
             return
         os.makedirs(dump_folder, exist_ok=True)
-        # appended, so a resumed run continues the same file
-        self.jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "a", buffering=1)
+        # appended, so a resumed run continues the same file, without the records of the steps it trains again
+        path = os.path.join(dump_folder, "metrics.jsonl")
+        set_aside_records_after(path, start_step)
+        self.jsonl = open(path, "a", buffering=1)
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

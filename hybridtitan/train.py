@@ -45,7 +45,7 @@ from hybridtitan.checkpoint import (
 from hybridtitan.config import ConfigError, compiles, model_args, parse_config, selective_ac_interval, to_dict
 from hybridtitan.data import build_dataloader, build_tokenizer
 from hybridtitan.data.config import recorded_path
-from hybridtitan.errors import first_error_line
+from hybridtitan.errors import DataError, data_error_line, first_error_line
 from hybridtitan.metrics import MetricsLogger
 from hybridtitan.models import build_model
 from hybridtitan.models.flops import flops_per_token, param_counts
@@ -303,18 +303,23 @@ def train(cfg, plan: Plan) -> dict:
     metrics = MetricsLogger(
         cfg.job.dump_folder, rank=rank, total_steps=cfg.training.steps, flops_per_token=fpt, device=device,
         enable_tensorboard=cfg.metrics.enable_tensorboard, tb_folder=cfg.metrics.save_tb_folder,
-        enable_wandb=cfg.metrics.enable_wandb, job_config=job_dict)
+        enable_wandb=cfg.metrics.enable_wandb, job_config=job_dict, start_step=state.step)
     stop = _StopRequest()
-    last, finished = {}, False
+    last, finished, data_error = {}, False, None
     try:
         last = _loop(cfg, plan, model, optimizer, lr_scheduler, data_iter, state, ckpt, metrics, stop, device)
         finished = True
+    except DataError as e:  # bad data is bad input: one line (from each rank that met it), not a traceback
+        data_error = data_error_line(e)
     finally:
         ckpt.close()
         metrics.close()
         if finished:  # after an error on this rank the others may never reach it: exit now, torchrun stops them
             dist.barrier()
         dist.destroy_process_group()
+    if data_error is not None:
+        print(f"error: {data_error}", file=sys.stderr)
+        sys.exit(2)
     return last
 
 

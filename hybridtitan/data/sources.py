@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-from hybridtitan.errors import first_error_line
+from hybridtitan.errors import DataError, first_error_line
 
 from .config import Data, file_builder, local_data_files, looks_local, megatron_prefixes, resolve_path
 from .megatron import MegatronDataset
@@ -147,7 +147,7 @@ class ShardedDocuments:
             self.pos += 1
             if len(tokens):
                 return tokens
-        raise ValueError(f"data: shard {self.shard} of {self.num_shards} holds only empty documents")
+        raise DataError(f"data: shard {self.shard} of {self.num_shards} holds only empty documents")
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos, "shard": self.shard, "num_shards": self.num_shards,
@@ -213,7 +213,7 @@ class StreamingDocuments:
                 if not self._block:  # the epoch is over
                     epoch_ends += 1
                     if epoch_ends > 2:  # a whole epoch went by without one non-empty document
-                        raise ValueError(f"data: rank {self.shard} of {self.num_shards} got no documents "
+                        raise DataError(f"data: rank {self.shard} of {self.num_shards} got no documents "
                                          "from the stream")
                     self.epoch, self.hf_state, self._iter = self.epoch + 1, None, None
                     continue
