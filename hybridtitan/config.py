@@ -16,6 +16,7 @@ import difflib
 import io
 import math
 import os
+import re
 import sys
 import types
 import typing
@@ -206,7 +207,7 @@ def _check_toml(data: dict, cls, prefix: str = "") -> None:
             where = f"section [{prefix[:-1]}]" if prefix else "the recipe"
             kind = "key" if prefix else "section"
             raise ConfigError(
-                f"unknown {kind} {full!r} in {where}" + (f" (did you mean {prefix}{hint[0]!r}?)" if hint else "")
+                f"unknown {kind} {full!r} in {where}" + (f" (did you mean '{prefix}{hint[0]}'?)" if hint else "")
             )
         tp = hints[key]
         if is_dataclass(tp):
@@ -258,7 +259,8 @@ def _normalize_bools(args: list[str]) -> list[str]:
         key = key.replace("-", "_")
         tp = kinds.get(key)
         if tp in (bool, bool | None):
-            if not eq and i + 1 < len(args) and args[i + 1].lower() in _TRUE + _FALSE + ("none",):
+            # the CLI has no positional arguments: a word after a flag is its value, right or wrong
+            if not eq and i + 1 < len(args) and not args[i + 1].startswith("--"):
                 value, eq, i = args[i + 1], "=", i + 1
             if eq:
                 v = value.lower()
@@ -348,7 +350,12 @@ def _tyro_error_line(text: str) -> str:
         if line and "--help" not in line and not line.startswith("For full helptext") and line not in (
                 "Value error", "Invalid choice", "Unrecognized options", "Parsing error"):
             lines.append(line)
-    return ("bad command-line value: " + " ".join(lines[:3])) if lines else "bad command-line arguments"
+    if not lines:
+        return "bad command-line arguments"
+    text = " ".join(lines[:3]).split(" Argument helptext:")[0]
+    # tyro spells keys with dashes (--training.seq-len): give them back as the user wrote them
+    text = re.sub(r"--([a-z_]+)\.([a-z0-9-]+)", lambda m: f"--{m.group(1)}.{m.group(2).replace('-', '_')}", text)
+    return "bad command-line value: " + text
 
 
 # ----------------------------------------------------------------------------------------------- validation

@@ -120,6 +120,9 @@ are the trainer's:"""
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:  # nothing given: the defaults alone are no recipe anyone trains
+        print(USAGE.split("\n\n")[0] + "\nerror: give a recipe (train_configs/*.toml) or --list", file=sys.stderr)
+        sys.exit(2)
     if "--list" in argv:
         for name, a in FLAVORS.items():
             print(f"{name:<20} {a.mixer:<7} {a.pattern}")

@@ -94,20 +94,51 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
     return norm
 
 
-def _held_at_floor(step: int, schedule, warmup_steps: int, floor: float) -> float:
-    return schedule(step) if step < warmup_steps else max(schedule(step), floor)
+def _held_at_floor(step: int, schedule, warmup_steps: int, floor: float, decays: bool = True) -> float:
+    if step < warmup_steps:
+        return schedule(step)
+    if not decays:  # warm-up then flat to the end (no decay steps left): flat past it too (torchtitan would fail)
+        return 1.0
+    return max(schedule(step), floor)
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg):
     """torchtitan's warm-up/stable/decay schedule, held at ``lr * min_lr_factor`` once it has decayed: past
     ``lr_scheduler.total_steps`` (shorter than the run, or a schedule resumed with a reset step) its decay goes
     on below that, to negative learning rates, which would train the model backwards."""
-    schedulers = build_lr_schedulers([optimizer], cfg.lr_scheduler, cfg.training.steps)
+    return _held_schedule(optimizer, cfg.lr_scheduler, cfg.training.steps)
+
+
+def _held_schedule(optimizer: torch.optim.Optimizer, lr_scheduler, training_steps: int):
+    schedulers = build_lr_schedulers([optimizer], lr_scheduler, training_steps)
     for scheduler in schedulers.schedulers:
         # partial objects, as torchtitan's own: LambdaLR's state_dict keeps only their (empty) __dict__. The warm-up
         # (as torchtitan adjusted it) starts below the floor and is left alone.
         scheduler.lr_lambdas = [functools.partial(
-            _held_at_floor, schedule=fn, floor=cfg.lr_scheduler.min_lr_factor,
-            warmup_steps=getattr(fn, "keywords", {}).get("warmup_steps", cfg.lr_scheduler.warmup_steps))
+            _held_at_floor, schedule=fn, floor=lr_scheduler.min_lr_factor,
+            warmup_steps=getattr(fn, "keywords", {}).get("warmup_steps", lr_scheduler.warmup_steps),
+            decays=getattr(fn, "keywords", {}).get("decay_steps", 1) > 0)
             for fn in scheduler.lr_lambdas]
     return schedulers
+
+
+SCHEDULE_KEYS = ("warmup_steps", "total_steps", "decay_ratio", "decay_type", "min_lr_factor")
+
+
+def schedule_shape(lr_scheduler: dict, training_steps: int) -> dict:
+    """The settings a schedule's shape follows (``lr_scheduler`` as a dict), total_steps resolved as torchtitan
+    does: training.steps unless it is set."""
+    shape = {key: lr_scheduler.get(key) for key in SCHEDULE_KEYS}
+    if shape["total_steps"] is None:
+        shape["total_steps"] = training_steps
+    return shape
+
+
+def reshape_schedule(schedulers, lr_scheduler) -> None:
+    """Gives resumed ``schedulers`` the shape of ``lr_scheduler`` (a config with total_steps set), keeping their
+    step and the optimizer's learning rates: the new factors come from a schedule built on a stand-in optimizer
+    (building one on the real optimizer would reset its rates)."""
+    for scheduler in schedulers.schedulers:
+        groups = [{"params": [nn.Parameter(torch.zeros(1))]} for _ in scheduler.lr_lambdas]
+        stand_in = _held_schedule(torch.optim.SGD(groups, lr=1.0), lr_scheduler, lr_scheduler.total_steps)
+        scheduler.lr_lambdas = list(stand_in.schedulers[0].lr_lambdas)

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from hybridtitan import ops
 from hybridtitan.checkpoint import (
+    JOB_CONFIG_FILE,
     CheckpointError,
     CheckpointManager,
     complete_steps,
@@ -42,14 +43,29 @@ from hybridtitan.checkpoint import (
     load_model_args,
     resolve_checkpoint,
 )
-from hybridtitan.config import ConfigError, compiles, model_args, parse_config, selective_ac_interval, to_dict
+from hybridtitan.config import (
+    TRAIN_USAGE,
+    ConfigError,
+    compiles,
+    model_args,
+    parse_config,
+    selective_ac_interval,
+    to_dict,
+)
 from hybridtitan.data import build_dataloader, build_tokenizer
 from hybridtitan.data.config import recorded_path
 from hybridtitan.errors import DataError, data_error_line, first_error_line
 from hybridtitan.metrics import MetricsLogger
 from hybridtitan.models import build_model
 from hybridtitan.models.flops import flops_per_token, param_counts
-from hybridtitan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from hybridtitan.optim import (
+    SCHEDULE_KEYS,
+    build_lr_scheduler,
+    build_optimizer,
+    clip_grad_norm_,
+    reshape_schedule,
+    schedule_shape,
+)
 from hybridtitan.parallel import build_mesh, parallelize, resolve_data_parallel
 
 logger = logging.getLogger("hybridtitan")
@@ -288,8 +304,9 @@ def train(cfg, plan: Plan) -> dict:
         if rank == 0:
             message = first_error_line(e)
             if "dataloader." in message:  # DCP naming a loader key it lacks: another data.num_workers
-                message += (" (the data loader's state needs the data.num_workers of the run that saved it; "
-                            "checkpoint.exclude_from_loading = [\"dataloader\"] starts the data afresh)")
+                message = ("its data loader state does not fit this run's loader: it needs the data.num_workers "
+                           "of the run that saved it (checkpoint.exclude_from_loading = [\"dataloader\"] starts "
+                           f"the data afresh) [{message}]")
             print(f"error: cannot resume from the checkpoint: {message}", file=sys.stderr)
         dist.destroy_process_group()
         sys.exit(2)
@@ -325,20 +342,48 @@ def train(cfg, plan: Plan) -> dict:
 
 def _resume(cfg, ckpt: CheckpointManager, state: TrainState) -> None:
     latest = ckpt.latest_step() if cfg.checkpoint.enable else None
+    step_dir = None
     if cfg.checkpoint.enable and cfg.checkpoint.load_step > 0:
         step_dir = resolve_checkpoint(ckpt.folder, cfg.checkpoint.load_step)
         ckpt.load(step_dir)
         logger.info(f"resumed from {step_dir} (step {state.step})")
     elif latest is not None:
         # a step-0 folder is a model-only starting point (python -m hybridtitan.import_hf writes one)
-        ckpt.load(os.path.join(ckpt.folder, f"step-{latest}"), model_only=latest == 0)
+        step_dir = os.path.join(ckpt.folder, f"step-{latest}")
+        ckpt.load(step_dir, model_only=latest == 0)
         logger.info(f"resumed from {ckpt.folder}/step-{latest} (step {state.step})")
     elif cfg.checkpoint.initial_load_path:
         step_dir = resolve_checkpoint(cfg.checkpoint.initial_load_path)
         ckpt.load(step_dir, model_only=cfg.checkpoint.initial_load_model_only)
         logger.info(f"initialised from {step_dir}" + (" (model only)" if cfg.checkpoint.initial_load_model_only
                                                       else f" (step {state.step})"))
+    if step_dir is not None and state.step > 0 and "lr_scheduler" not in cfg.checkpoint.exclude_from_loading:
+        _keep_the_checkpoints_schedule(cfg, ckpt, step_dir)
     _warn_about_resumed_values(cfg, ckpt, state)
+
+
+def _keep_the_checkpoints_schedule(cfg, ckpt: CheckpointManager, step_dir: str) -> None:
+    """A resumed schedule goes on as it was saved: its step and rates come from the checkpoint, and so does its
+    shape (warm-up, length, decay), which follows the recipe's values. Changed values (a longer run whose schedule
+    follows training.steps, say) would otherwise bend it mid-way: the rate could jump back up tenfold. The shape in
+    force is recorded in the job config of the checkpoints that follow."""
+    try:
+        with open(os.path.join(step_dir, JOB_CONFIG_FILE)) as f:
+            saved = json.load(f)
+        saved_shape = schedule_shape(saved["lr_scheduler"], saved["training"]["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # a checkpoint without its job config (written by other tools): nothing to compare with
+    shape = schedule_shape(ckpt.job_config["lr_scheduler"], cfg.training.steps)
+    if saved_shape == shape:
+        return
+    changed = ", ".join(f"{key} {shape[key]} (checkpoint: {saved_shape[key]})"
+                        for key in SCHEDULE_KEYS if shape[key] != saved_shape[key])
+    logger.warning(f"lr_scheduler: {changed}: the checkpoint's schedule goes on, past its end at the floor "
+                   "(checkpoint.exclude_from_loading = [\"lr_scheduler\"] starts a new one)")
+    kept = dataclasses.replace(cfg.lr_scheduler, **saved_shape)
+    reshape_schedule(ckpt.lr_scheduler, kept)
+    cfg.lr_scheduler = kept
+    ckpt.job_config["lr_scheduler"].update(saved_shape)
 
 
 def _warn_about_resumed_values(cfg, ckpt: CheckpointManager, state: TrainState) -> None:
@@ -530,6 +575,11 @@ def _quiet_known_warnings() -> None:
 def main(argv: list[str] | None = None) -> None:
     _quiet_known_warnings()
     rank = int(os.environ.get("RANK", "0"))
+    if not (sys.argv[1:] if argv is None else argv):  # nothing given: the defaults alone name no data
+        if rank == 0:
+            print(TRAIN_USAGE + "\nerror: give a recipe (train_configs/*.toml); --help lists the keys",
+                  file=sys.stderr)
+        sys.exit(2)
     try:
         cfg = parse_config(argv)
         plan = preflight(cfg)

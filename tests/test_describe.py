@@ -89,3 +89,11 @@ def test_loss_chunk_estimate_follows_the_chunk_kernel(capsys):
     assert loss_gib() == pytest.approx(2 * chunk)
     assert loss_gib("--compile.components", "loss,norm") == pytest.approx(4 * chunk)
     assert loss_gib("--training.mixed_precision_param", "float32") == pytest.approx(8 * chunk)
+
+
+def test_no_arguments_prints_the_usage(capsys):
+    with pytest.raises(SystemExit) as exc:
+        describe_mod.main([])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith("usage: python -m hybridtitan.describe"), err
+    assert err.splitlines()[-1] == "error: give a recipe (train_configs/*.toml) or --list"

@@ -270,7 +270,7 @@ def test_bad_toml(tmp_path, capsys, case):
     assert code == 2
     assert err.startswith("error: ") and "\n" not in err, err
     assert {"syntax": "TOML syntax error", "unknown_section": "unknown section 'trainingg'",
-            "unknown_key": "unknown key 'training.stepz'", "wrong_type": "training.steps must be int"}[case] in err
+            "unknown_key": "unknown key 'training.stepz' in section [training] (did you mean 'training.steps'?)", "wrong_type": "training.steps must be int"}[case] in err
     assert not (tmp_path / "d").exists()
 
 
@@ -284,6 +284,11 @@ BAD_CLI = {
     "batch_not_divisible": (["--training.local_batch_size", "3", "--training.global_batch_size", "8"],
                             "not divisible"),
     "bad_pattern": (["--model.pattern", "*-M-X-"], "position 4"),
+    # the key as the user wrote it, without tyro's dashes and trailing "Argument helptext:"
+    "cli_not_an_int": (["--training.seq_len", "abc"], "Error parsing --training.seq_len: invalid literal for int()"),
+    "cli_not_a_bool": (["--checkpoint.enable", "maybe"], "--checkpoint.enable must be true or false, got 'maybe'"),
+    "tokenizer_not_found": (["--data.tokenizer", "no_such_tokenizer_folder"],
+                            "no_such_tokenizer_folder: no such local folder, and from the Hugging Face Hub:"),
 }
 
 
@@ -298,8 +303,14 @@ def test_bad_cli(tmp_path, capsys, case):
     argv, expected = BAD_CLI[case]
     code, err = _main_error(capsys, ["--job.config_file", RECIPE, "--job.dump_folder", str(dump), *argv])
     assert code == 2
-    assert err.startswith("error: ") and "\n" not in err and expected in err, err
+    assert err.startswith("error: ") and "\n" not in err and expected in err and "helptext" not in err, err
     assert {p: p.stat().st_mtime_ns for p in dump.rglob("*")} == before
+
+
+def test_no_arguments_prints_the_usage(capsys):
+    code, err = _main_error(capsys, [])
+    assert code == 2 and err.startswith("usage: python -m hybridtitan.train --job.config_file RECIPE.toml"), err
+    assert err.splitlines()[-1].startswith("error: give a recipe"), err
 
 
 def _fake_step(folder: Path, step: int, flavor: str) -> None:
@@ -437,6 +448,34 @@ def test_lr_schedule_held_at_its_floor_past_its_end():
     assert ours[12:] == [pytest.approx(0.1)] * 18
     state = sched.state_dict()
     assert state["lr_lambdas"] == [{}]  # nothing of the wrapper in checkpoints
+    # a schedule left no decay steps (a warm-up as long as the schedule): flat past its end, where torchtitan's
+    # fails an assertion
+    flat = parse_config(["--job.config_file", RECIPE, "--training.steps", "30", "--lr_scheduler.total_steps", "12",
+                         "--lr_scheduler.warmup_steps", "12"], check_data=False)
+    ours, _ = rates(lambda opt: build_lr_scheduler(opt, flat))
+    assert ours[11:] == [pytest.approx(1.0)] * 19
+    with pytest.raises(AssertionError):
+        rates(lambda opt: build_lr_schedulers([opt], flat.lr_scheduler, flat.training.steps))
+
+
+def test_resume_keeps_the_checkpoints_schedule_when_the_run_grows(tmp_path):
+    """A schedule that follows training.steps, resumed with more steps: the checkpoint's schedule goes on (held at
+    its floor past its end), said in a warning, and the job config of the next checkpoints records the shape in
+    force. Rebuilt from the new length instead, the rate would jump from the floor back to its peak."""
+    dump = tmp_path / "run"
+    args = [*QUICK, "--lr_scheduler.warmup_steps", "1", "--lr_scheduler.min_lr_factor", "0.1", "--checkpoint.enable",
+            "true", "--checkpoint.interval", "100"]
+    run_train(dump, *args, "--training.steps", "4", nproc=1)
+    proc = run_train(dump, *args, "--training.steps", "7", nproc=1)
+    assert "lr_scheduler: total_steps 7 (checkpoint: 4): the checkpoint's schedule goes on" in proc.stdout + proc.stderr
+    lrs = {r["step"]: r["lr"] for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())}
+    peak = lrs[2]
+    assert [lrs[5], lrs[6], lrs[7]] == [pytest.approx(0.1 * peak)] * 3  # rebuilt for 7 steps: the peak again
+    saved = json.loads((dump / "checkpoint" / "step-7" / "job_config.json").read_text())["lr_scheduler"]
+    assert saved["total_steps"] == 4
+    # the same resume with an unchanged shape says nothing about the schedule
+    proc = run_train(dump, *args, "--training.steps", "8", "--lr_scheduler.total_steps", "4", nproc=1)
+    assert "lr_scheduler:" not in proc.stdout + proc.stderr
 
 
 def test_error_on_one_rank_ends_the_run_at_once(tmp_path):

@@ -20,8 +20,10 @@ def build_tokenizer(path: str):
     try:
         tok = AutoTokenizer.from_pretrained(local)
     except Exception as e:  # noqa: BLE001 -- any failure is reported as one line naming the field
-        reason = (str(e).strip().splitlines() or [""])[0]
-        raise ValueError(f"data.tokenizer: cannot load a tokenizer from {path}: {type(e).__name__}: {reason}") from None
+        reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+        if not os.path.isdir(local):  # a hub name, or a mistyped folder: say both were tried
+            reason = f"no such local folder, and from the Hugging Face Hub: {reason}"
+        raise ValueError(f"data.tokenizer: cannot load a tokenizer from {path}: {reason}") from None
     if not getattr(tok, "is_fast", False):
         # Slow (Python) tokenizers are far too slow to tokenize on the fly during training.
         raise ValueError(f"data.tokenizer: {path} gives a slow tokenizer; a fast (tokenizer.json) one is required")
