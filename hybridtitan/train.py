@@ -378,7 +378,7 @@ def _keep_the_checkpoints_schedule(cfg, ckpt: CheckpointManager, step_dir: str) 
         return
     changed = ", ".join(f"{key} {shape[key]} (checkpoint: {saved_shape[key]})"
                         for key in SCHEDULE_KEYS if shape[key] != saved_shape[key])
-    logger.warning(f"lr_scheduler: {changed}: the checkpoint's schedule goes on, past its end at the floor "
+    logger.warning(f"lr_scheduler: {changed}: the checkpoint's schedule goes on, held past its end "
                    "(checkpoint.exclude_from_loading = [\"lr_scheduler\"] starts a new one)")
     kept = dataclasses.replace(cfg.lr_scheduler, **saved_shape)
     reshape_schedule(ckpt.lr_scheduler, kept)
