@@ -270,7 +270,8 @@ def test_bad_toml(tmp_path, capsys, case):
     assert code == 2
     assert err.startswith("error: ") and "\n" not in err, err
     assert {"syntax": "TOML syntax error", "unknown_section": "unknown section 'trainingg'",
-            "unknown_key": "unknown key 'training.stepz' in section [training] (did you mean 'training.steps'?)", "wrong_type": "training.steps must be int"}[case] in err
+            "unknown_key": "unknown key 'training.stepz' in section [training] (did you mean 'training.steps'?)",
+            "wrong_type": "training.steps must be int"}[case] in err
     assert not (tmp_path / "d").exists()
 
 
