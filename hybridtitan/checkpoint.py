@@ -125,6 +125,12 @@ def _with_model_args(step_dir: str) -> str:
     return step_dir
 
 
+def read_job_config(step_dir: str) -> dict:
+    """The job config a step folder was saved with (OSError if it has none, ValueError if it is damaged)."""
+    with open(os.path.join(step_dir, JOB_CONFIG_FILE)) as f:
+        return json.load(f)
+
+
 def load_model_args(step_dir: str) -> ModelArgs:
     path = os.path.join(step_dir, MODEL_ARGS_FILE)
     try:

@@ -8,7 +8,12 @@ def first_error_line(e: BaseException, with_type: bool = False) -> str:
     if isinstance(failures, dict) and failures:
         first = next(iter(failures.values()))
         e = first[0] if isinstance(first, tuple) else first
-    text = (str(e).strip().splitlines() or [""])[0]
+    lines = [line for line in str(e).strip().splitlines() if line.strip()] or [""]
+    text = lines[0]
+    if text.startswith("Caught ") and " in DataLoader worker process " in text and len(lines) > 1:
+        # torch re-raises a data-loader worker's error with this opening line and the worker's traceback, whose
+        # last line is the original "module.Type: message"
+        text = lines[-1].split(f"{type(e).__name__}: ", 1)[-1]
     if with_type:
         return f"{type(e).__name__}: {text}"
     return text or type(e).__name__
@@ -17,11 +22,3 @@ def first_error_line(e: BaseException, with_type: bool = False) -> str:
 class DataError(ValueError):
     """Training data found unusable while it is read (after the start-up checks): a shard of empty documents."""
 
-
-def data_error_line(e: DataError) -> str:
-    """One line for a DataError, also when a data-loader worker raised it (torch re-raises it in the main process
-    with a message that opens "Caught DataError in DataLoader worker process N." and ends with the original)."""
-    lines = [line for line in str(e).strip().splitlines() if line.strip()] or [type(e).__name__]
-    if lines[0].startswith("Caught ") and len(lines) > 1:
-        return lines[-1].split(f"{type(e).__name__}: ", 1)[-1]
-    return lines[0]

@@ -27,11 +27,10 @@ DTYPES = ("bfloat16", "float32", "float16")
 FORMATS = ("auto", "fla", "hybridtitan")
 
 def _max_position_embeddings(step_dir: str) -> int:
-    from hybridtitan.checkpoint import JOB_CONFIG_FILE
+    from hybridtitan.checkpoint import read_job_config
 
     try:
-        with open(os.path.join(step_dir, JOB_CONFIG_FILE)) as f:
-            return int(json.load(f)["training"]["seq_len"])
+        return int(read_job_config(step_dir)["training"]["seq_len"])
     except (OSError, KeyError, TypeError, ValueError):
         return 2048
 

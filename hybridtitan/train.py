@@ -35,12 +35,12 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from hybridtitan import ops
 from hybridtitan.checkpoint import (
-    JOB_CONFIG_FILE,
     CheckpointError,
     CheckpointManager,
     complete_steps,
     is_model_only,
     load_model_args,
+    read_job_config,
     resolve_checkpoint,
 )
 from hybridtitan.config import (
@@ -54,7 +54,7 @@ from hybridtitan.config import (
 )
 from hybridtitan.data import build_dataloader, build_tokenizer
 from hybridtitan.data.config import recorded_path
-from hybridtitan.errors import DataError, data_error_line, first_error_line
+from hybridtitan.errors import DataError, first_error_line
 from hybridtitan.metrics import MetricsLogger
 from hybridtitan.models import build_model
 from hybridtitan.models.flops import flops_per_token, param_counts
@@ -327,7 +327,7 @@ def train(cfg, plan: Plan) -> dict:
         last = _loop(cfg, plan, model, optimizer, lr_scheduler, data_iter, state, ckpt, metrics, stop, device)
         finished = True
     except DataError as e:  # bad data is bad input: one line (from each rank that met it), not a traceback
-        data_error = data_error_line(e)
+        data_error = first_error_line(e)
     finally:
         ckpt.close()
         metrics.close()
@@ -362,14 +362,16 @@ def _resume(cfg, ckpt: CheckpointManager, state: TrainState) -> None:
     _warn_about_resumed_values(cfg, ckpt, state)
 
 
+_NEW_SCHEDULE = '(checkpoint.exclude_from_loading = ["lr_scheduler"] starts a new one)'
+
+
 def _keep_the_checkpoints_schedule(cfg, ckpt: CheckpointManager, step_dir: str) -> None:
     """A resumed schedule goes on as it was saved: its step and rates come from the checkpoint, and so does its
     shape (warm-up, length, decay), which follows the recipe's values. Changed values (a longer run whose schedule
     follows training.steps, say) would otherwise bend it mid-way: the rate could jump back up tenfold. The shape in
     force is recorded in the job config of the checkpoints that follow."""
     try:
-        with open(os.path.join(step_dir, JOB_CONFIG_FILE)) as f:
-            saved = json.load(f)
+        saved = read_job_config(step_dir)
         saved_shape = schedule_shape(saved["lr_scheduler"], saved["training"]["steps"])
     except (OSError, ValueError, KeyError, TypeError):
         return  # a checkpoint without its job config (written by other tools): nothing to compare with
@@ -378,8 +380,7 @@ def _keep_the_checkpoints_schedule(cfg, ckpt: CheckpointManager, step_dir: str) 
         return
     changed = ", ".join(f"{key} {shape[key]} (checkpoint: {saved_shape[key]})"
                         for key in SCHEDULE_KEYS if shape[key] != saved_shape[key])
-    logger.warning(f"lr_scheduler: {changed}: the checkpoint's schedule goes on, held past its end "
-                   "(checkpoint.exclude_from_loading = [\"lr_scheduler\"] starts a new one)")
+    logger.warning(f"lr_scheduler: {changed}: the checkpoint's schedule goes on, held past its end {_NEW_SCHEDULE}")
     kept = dataclasses.replace(cfg.lr_scheduler, **saved_shape)
     reshape_schedule(ckpt.lr_scheduler, kept)
     cfg.lr_scheduler = kept
@@ -394,8 +395,7 @@ def _warn_about_resumed_values(cfg, ckpt: CheckpointManager, state: TrainState) 
     saved = [lr for s in ckpt.lr_scheduler.schedulers for lr in s.base_lrs]
     if state.step > 0 and any(not math.isclose(lr, cfg.optimizer.lr) for lr in saved):
         logger.warning(f"optimizer.lr {cfg.optimizer.lr} differs from the resumed schedule's {saved[0]}: the "
-                       "checkpoint's schedule goes on (checkpoint.exclude_from_loading = [\"lr_scheduler\"] "
-                       "starts a new one)")
+                       f"checkpoint's schedule goes on {_NEW_SCHEDULE}")
 
 
 def _profiler(cfg):

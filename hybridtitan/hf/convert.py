@@ -341,14 +341,13 @@ def read_hf_model(folder: str) -> tuple[ModelArgs, dict[str, torch.Tensor], str]
 def checkpoint_tokenizer(step_dir: str) -> str | None:
     """The tokenizer a DCP step folder was trained with: its job_config.json's data.tokenizer (a path inside the
     package resolved as the trainer does), else a ``tokenizer`` folder saved inside it (import_hf writes one)."""
-    from hybridtitan.checkpoint import JOB_CONFIG_FILE
+    from hybridtitan.checkpoint import JOB_CONFIG_FILE, read_job_config
     from hybridtitan.data.config import resolve_path
 
     path = os.path.join(step_dir, JOB_CONFIG_FILE)
     if os.path.isfile(path):
         try:
-            with open(path) as f:
-                tok = (json.load(f).get("data") or {}).get("tokenizer")
+            tok = (read_job_config(step_dir).get("data") or {}).get("tokenizer")
         except (OSError, json.JSONDecodeError) as e:
             raise CheckpointError(f"cannot read {path}: {first_error_line(e)}") from None
         if tok:
