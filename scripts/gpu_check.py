@@ -17,9 +17,12 @@ graphs  the recurrent mixers' ops and the debug GDN / KDA / Mamba2 models replay
      (ops.use_cuda_graphs) against the same calls run eagerly: the graphs captured on one input, then replayed
      on another, must give that input's eager output and gradients (relative error < 1e-5). GPU only.
 fla  pure GDN / KDA models against FLA's GatedDeltaNetForCausalLM / KDAForCausalLM holding the same weights:
-     logits in bf16 on the GPU within 1e-2 (dense and packed). Weights go through hybridtitan's exporter
-     (python -m hybridtitan.export_hf) when it exists, checked tensor by tensor against this script's own
-     name mapping, which is used otherwise.
+     logits on the GPU within 1e-2, dense and packed, in float32 and in bf16. In bf16 two kernels that round
+     in another order can differ by more while each is as far from the truth (KDA in our chunks of 32 against
+     FLA's 64, at the 300M shapes): a bf16 case also passes when our logits are no further (x1.1) from the
+     float32 CPU reference than FLA's. Weights go through hybridtitan's exporter (python -m
+     hybridtitan.export_hf) when it exists, checked tensor by tensor against this script's own name mapping,
+     which is used otherwise (and alone in float32: the exporter writes bf16 weights).
 
 On a CPU (--device cpu) the "fast" side is the reference in bf16 (no FLA kernels run there), and FLA's HF
 models are built, loaded and compared weight by weight but not run. Every case prints PASS, FAIL (with the
@@ -65,6 +68,9 @@ from hybridtitan.models import build_model, get_flavor  # noqa: E402
 from hybridtitan.models.common import init_dt_bias, init_log_uniform_A  # noqa: E402
 
 TOL = 1e-2
+# fla, bf16: ours may be at most this much further from float32 than FLA's class when the two differ by more
+# than the bar
+BF16_AS_CLOSE = 1.1
 E2E_FLAVORS = ("debug_gdn", "debug_kda", "debug_mamba2", "debug_hybrid")
 
 
@@ -107,6 +113,7 @@ class Results:
         self.rows.append(row)
         status = row["status"]
         extra = f"  {row.get('error', '')}" if status != "PASS" else ""
+        extra += f"  ({row['detail']})" if row.get("detail") else ""
         print(f"  [{status}] {row['section']}: {row['name']} / {row['case']}{extra}", flush=True)
         return row
 
@@ -586,7 +593,8 @@ def _unique_numel(module) -> int:
 
 
 def check_fla(res: Results, args, device) -> None:
-    print(f"\n== fla: hybridtitan vs FLA's HF classes (same weights), logits in bf16 on {device}", flush=True)
+    print(f"\n== fla: hybridtitan vs FLA's HF classes (same weights), logits in bf16 and float32 on {device}",
+          flush=True)
     try:
         import fla  # noqa: F401
     except Exception as e:  # noqa: BLE001
@@ -652,24 +660,34 @@ def check_fla(res: Results, args, device) -> None:
                         res.add({"section": "fla", "name": spec, "case": f"{case} logits [{label}]", "status": "SKIP",
                                  "error": "FLA's HF models need a GPU"})
                     continue
-                ours_gpu = copy.deepcopy(ours).to(device, torch.bfloat16)
-                dev_inp, dev_cu = inp.to(device), (c.to(device) if c is not None else None)
-                with torch.no_grad():
-                    lo = ours_gpu(dev_inp, cu_seqlens=dev_cu).float()
-                del ours_gpu
-                for label, hf in candidates:
-                    hf_gpu = copy.deepcopy(hf).to(device, torch.bfloat16)
-                    kw = {"cu_seqlens": dev_cu} if dev_cu is not None else {}
+                for dtype in (torch.bfloat16, torch.float32):
+                    dname = str(dtype).removeprefix("torch.")
+                    ours_gpu = copy.deepcopy(ours).to(device, dtype)
+                    dev_inp, dev_cu = inp.to(device), (c.to(device) if c is not None else None)
                     with torch.no_grad():
-                        lf = hf_gpu(input_ids=dev_inp, **kw).logits.float()
-                    del hf_gpu
-                    err = rel_err(lf, lo)
-                    ok = math.isfinite(err) and err < args.tol
-                    res.add({"section": "fla", "name": spec, "case": f"{case} logits [{label}]",
-                             "status": "PASS" if ok else "FAIL", "logits_err": err,
-                             "ours_vs_fp32": rel_err(lo, ref), "fla_vs_fp32": rel_err(lf, ref),
-                             **({} if ok else {"error": f"logits differ by {err:.3e} > {args.tol:g}"})})
-                    torch.cuda.empty_cache()
+                        lo = ours_gpu(dev_inp, cu_seqlens=dev_cu).float()
+                    del ours_gpu
+                    # the exporter writes bf16 weights: in float32 only the mapping holds the same weights as ours
+                    # (the exporter's tensors were checked against the mapping's above)
+                    for label, hf in candidates if dtype == torch.bfloat16 else candidates[:1]:
+                        hf_gpu = copy.deepcopy(hf).to(device, dtype)
+                        kw = {"cu_seqlens": dev_cu} if dev_cu is not None else {}
+                        with torch.no_grad():
+                            lf = hf_gpu(input_ids=dev_inp, **kw).logits.float()
+                        del hf_gpu
+                        err, ours_err, fla_err = rel_err(lf, lo), rel_err(lo, ref), rel_err(lf, ref)
+                        # in bf16 two kernels that round in another order (KDA's chunks of 32 against FLA's 64)
+                        # can differ by more than the bar while each is as far from float32: then ours must be
+                        # no further from float32 than FLA's own class (float32 checks the weights themselves)
+                        as_close = dtype == torch.bfloat16 and ours_err <= BF16_AS_CLOSE * fla_err
+                        ok = math.isfinite(err) and (err < args.tol or as_close)
+                        res.add({"section": "fla", "name": spec, "case": f"{case} logits [{label}, {dname}]",
+                                 "status": "PASS" if ok else "FAIL", "logits_err": err,
+                                 "ours_vs_fp32": ours_err, "fla_vs_fp32": fla_err,
+                                 "detail": f"FLA vs ours {err:.2e}, against float32 on the CPU: ours {ours_err:.2e}, "
+                                           f"FLA {fla_err:.2e}",
+                                 **({} if ok else {"error": f"logits differ by {err:.3e} > {args.tol:g}"})})
+                        torch.cuda.empty_cache()
             except Exception as e:  # noqa: BLE001
                 res.fail("fla", spec, case, e)
 
@@ -705,7 +723,7 @@ def print_report(res: Results) -> None:
     fla_rows = [r for r in res.rows if r["section"] == "fla"]
     if fla_rows:
         print("\n" + format_table(
-            ["model", "case", "logits err (FLA vs ours)", "ours bf16 vs fp32", "FLA bf16 vs fp32", "status"],
+            ["model", "case", "logits err (FLA vs ours)", "ours vs fp32 CPU", "FLA vs fp32 CPU", "status"],
             [[r["name"], r["case"], fmt(r.get("logits_err")), fmt(r.get("ours_vs_fp32")), fmt(r.get("fla_vs_fp32")),
               _status(r)] for r in fla_rows]))
     counts = {s: sum(r["status"] == s for r in res.rows) for s in ("PASS", "FAIL", "SKIP")}
