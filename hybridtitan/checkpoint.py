@@ -219,7 +219,7 @@ class CheckpointManager:
         self.interval, self.keep_latest_k = interval, keep_latest_k
         self.async_mode = async_mode
         self.first_step, self.exclude_from_loading = first_step, set(exclude_from_loading)
-        self._pending: tuple[Future, str, str] | None = None
+        self._pending: _BackgroundSave | None = None
         self._async_pg = None
         if async_mode not in ("disabled", "async"):
             raise ValueError(f"checkpoint.async_mode must be disabled or async, got {async_mode!r}")
@@ -262,39 +262,43 @@ class CheckpointManager:
             states = {"model": states["model"]}
         if self.async_mode != "disabled":
             future = dcp.async_save(states, checkpoint_id=partial, process_group=self._async_pg)
-            self._pending = (future, partial, final)
             logger.info(f"checkpoint step {step}: staged in {time.monotonic() - t0:.1f}s, writing in the background")
+            complete = None
+            if _rank() == 0:
+                def complete():
+                    self._complete(partial, final)
+                    self._purge()
+                    logger.info(f"checkpoint step {step}: saved to {final} in {time.monotonic() - t0:.1f}s")
+            self._pending = _BackgroundSave(future, complete)
         else:
             dcp.save(states, checkpoint_id=partial)
-            self._finalize(partial, final)
+            _barrier()
+            if _rank() == 0:
+                self._complete(partial, final)
+            _barrier()
+            if _rank() == 0:
+                self._purge()
             logger.info(f"checkpoint step {step}: saved to {final} in {time.monotonic() - t0:.1f}s")
 
     def wait(self) -> None:
-        """Completes a background save, if one is running."""
+        """Waits for a background save, if one is running (it completes its step folder itself)."""
         if self._pending is not None:
-            future, partial, final = self._pending
-            self._pending = None
-            future.result()
-            self._finalize(partial, final)
-            logger.info(f"checkpoint saved to {final}")
+            pending, self._pending = self._pending, None
+            pending.join()
 
-    def _finalize(self, partial: str, final: str) -> None:
-        _barrier()
-        if _rank() == 0:
-            with open(os.path.join(partial, MODEL_ARGS_FILE), "w") as f:
-                json.dump(model_args_to_dict(self.model_args), f, indent=2)
-            with open(os.path.join(partial, JOB_CONFIG_FILE), "w") as f:
-                json.dump(self.job_config, f, indent=2, default=str)
-            if os.path.exists(final):  # a re-save of the same step (e.g. after a resume): replace it
-                shutil.rmtree(final)
-            os.rename(partial, final)
-            tmp = os.path.join(self.folder, "latest.tmp")
-            with open(tmp, "w") as f:
-                f.write(os.path.basename(final) + "\n")
-            os.replace(tmp, os.path.join(self.folder, "latest"))
-        _barrier()
-        if _rank() == 0:
-            self._purge()
+    def _complete(self, partial: str, final: str) -> None:
+        """Rank 0, once every rank's part is written: the step folder under its final name, named in `latest`."""
+        with open(os.path.join(partial, MODEL_ARGS_FILE), "w") as f:
+            json.dump(model_args_to_dict(self.model_args), f, indent=2)
+        with open(os.path.join(partial, JOB_CONFIG_FILE), "w") as f:
+            json.dump(self.job_config, f, indent=2, default=str)
+        if os.path.exists(final):  # a re-save of the same step (e.g. after a resume): replace it
+            shutil.rmtree(final)
+        os.rename(partial, final)
+        tmp = os.path.join(self.folder, "latest.tmp")
+        with open(tmp, "w") as f:
+            f.write(os.path.basename(final) + "\n")
+        os.replace(tmp, os.path.join(self.folder, "latest"))
 
     def _purge(self) -> None:
         """Deletes the checkpoints beyond keep_latest_k in a background thread: deleting a large checkpoint can
@@ -342,6 +346,32 @@ class CheckpointManager:
     def close(self) -> None:
         self.wait()
         self._join_purge()
+
+
+class _BackgroundSave:
+    """A save written in the background, completed the moment its write ends. DCP's save ends on every rank only
+    after the coordinator (rank 0) has gathered all ranks' results and written the metadata, so rank 0 can rename
+    the step folder then, in this thread: a crash after that loses nothing, and no collective runs outside the
+    training's own order (a rank leaving on an error must not wait in a barrier the others never reach)."""
+
+    def __init__(self, future: Future, complete=None):
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(future, complete), daemon=True,
+                                       name="hybridtitan-checkpoint")
+        self.thread.start()
+
+    def _run(self, future: Future, complete) -> None:
+        try:
+            future.result()
+            if complete is not None:
+                complete()
+        except BaseException as e:  # noqa: BLE001 -- raised on the training thread, in join()
+            self.error = e
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
 
 
 class _RNGState(Stateful):

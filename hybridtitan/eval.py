@@ -226,6 +226,7 @@ def load_for_eval(checkpoint: str, *, step: int | None = None, device: str = "cp
     import torch
 
     from hybridtitan.checkpoint import load_model_args, resolve_checkpoint
+    from hybridtitan.data.tokenizer import vocab_mismatch
     from hybridtitan.hf.convert import (
         ConversionError,
         checkpoint_tokenizer,
@@ -236,18 +237,26 @@ def load_for_eval(checkpoint: str, *, step: int | None = None, device: str = "cp
         read_dcp_model_state,
     )
 
+    def checked_tokenizer(path: str, vocab_size: int):
+        tok = load_tokenizer(path)
+        problem = vocab_mismatch(tok, vocab_size)  # ids past the embedding would fail mid-evaluation
+        if problem:
+            raise ConversionError(f"{problem} ({path})")
+        return tok
+
     torch_dtype = getattr(torch, dtype)
     if os.path.isdir(checkpoint) and is_hf_folder(checkpoint):
         model = load_hf_model(checkpoint, torch_dtype, device)
         tok_path, source = tokenizer or checkpoint, f"HF folder {checkpoint}"
-    else:
-        step_dir = resolve_checkpoint(checkpoint, step)
-        args = load_model_args(step_dir)
-        model = model_from_state(args, read_dcp_model_state(step_dir, args), torch_dtype, device, source=step_dir)
-        tok_path, source = tokenizer or checkpoint_tokenizer(step_dir), f"DCP checkpoint {step_dir}"
-        if not tok_path:
-            raise ConversionError(f"{step_dir} names no tokenizer (no job_config.json); pass --tokenizer")
-    return model, load_tokenizer(tok_path), source
+        return model, checked_tokenizer(tok_path, model.args.vocab_size), source
+    step_dir = resolve_checkpoint(checkpoint, step)
+    args = load_model_args(step_dir)
+    tok_path = tokenizer or checkpoint_tokenizer(step_dir)
+    if not tok_path:
+        raise ConversionError(f"{step_dir} names no tokenizer (no job_config.json); pass --tokenizer")
+    tok = checked_tokenizer(tok_path, args.vocab_size)  # before the weights are read
+    model = model_from_state(args, read_dcp_model_state(step_dir, args), torch_dtype, device, source=step_dir)
+    return model, tok, f"DCP checkpoint {step_dir}"
 
 
 def task_manager_for(names: list[str], include_path: str | None):
@@ -373,6 +382,10 @@ def main(argv: list[str] | None = None) -> None:
         fail(f"checkpoint not found: {args.checkpoint}")
     if args.batch_size < 1 or args.max_length < 2:
         fail("--batch_size must be >= 1 and --max_length >= 2")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        fail(f"--num_fewshot must be >= 0 (got {args.num_fewshot})")
+    if args.step is not None and os.path.isfile(os.path.join(args.checkpoint, "config.json")):
+        fail(f"--step: {args.checkpoint} is a Hugging Face folder, which holds one model (no steps)")
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     warnings.filterwarnings("ignore", message="Triton is not supported")
 

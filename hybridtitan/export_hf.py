@@ -11,7 +11,8 @@ hybridtitan``), registered with the Auto classes when hybridtitan is imported an
 where the export is loaded. ``--format hybridtitan`` writes a GDN/KDA model in our layout too.
 
 The folder is written next to the output under a temporary name and renamed into place once complete, so an
-interrupted export leaves nothing that looks finished. An existing output folder is refused unless --overwrite.
+interrupted export leaves nothing that looks finished. An existing output folder that is not empty is refused;
+--overwrite replaces an earlier export (a folder with config.json), never a folder of other things.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ import warnings
 
 DTYPES = ("bfloat16", "float32", "float16")
 FORMATS = ("auto", "fla", "hybridtitan")
+# what --overwrite may replace: a folder holding this file at its top, i.e. an earlier export
+EXPORT_MARKER = "config.json"
+
 
 def _max_position_embeddings(step_dir: str) -> int:
     from hybridtitan.checkpoint import read_job_config
@@ -51,6 +55,7 @@ def export(checkpoint: str, output: str, *, step: int | None = None, dtype: str 
         fla_config,
         fla_layout_problem,
         load_tokenizer,
+        output_problem,
         publish_folder,
         read_dcp_model_state,
         to_fla_key,
@@ -58,10 +63,9 @@ def export(checkpoint: str, output: str, *, step: int | None = None, dtype: str 
     )
 
     output = os.path.normpath(output)
-    if os.path.exists(output) and not overwrite:
-        raise ConversionError(f"output folder exists: {output} (pass --overwrite to replace it)")
-    if os.path.exists(output) and not os.path.isdir(output):
-        raise ConversionError(f"output exists and is not a folder: {output}")
+    problem = output_problem(output, overwrite, marker=EXPORT_MARKER, what="an earlier export")
+    if problem:
+        raise ConversionError(problem)
     if dtype not in DTYPES:
         raise ConversionError(f"--dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
     if format not in FORMATS:
@@ -178,8 +182,12 @@ def fail(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    if os.path.exists(args.output) and not args.overwrite:  # before reading any checkpoint
-        fail(f"output folder exists: {os.path.normpath(args.output)} (pass --overwrite to replace it)")
+    from hybridtitan.hf.convert import output_problem
+
+    problem = output_problem(os.path.normpath(args.output), args.overwrite, marker=EXPORT_MARKER,
+                             what="an earlier export")
+    if problem:  # before reading any checkpoint
+        fail(problem)
     warnings.filterwarnings("ignore", message="Triton is not supported")  # FLA on a CPU machine
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP read in one process
     from hybridtitan.checkpoint import CheckpointError

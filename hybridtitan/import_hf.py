@@ -7,7 +7,9 @@
 Reads an FLA GatedDeltaNet/KDA checkpoint (GatedDeltaNetForCausalLM, KDAForCausalLM) or one of our own exports
 (model_type hybridtitan), checks that every tensor fits the model its config describes, and writes a model-only
 DCP checkpoint with model_args.json; the tokenizer found in the folder (or --tokenizer) is saved inside it under
-``tokenizer/``, where export and evaluation find it. The step folder appears only once complete.
+``tokenizer/``, where export and evaluation find it. The step folder appears only once complete. An existing
+output folder that is not empty is refused; --overwrite replaces an earlier import or step folder (one with
+DCP's .metadata), never a training run's dump or checkpoint folder.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import warnings
 
 from hybridtitan.export_hf import OneLineParser, fail
 
+# what --overwrite may replace: a folder holding this file at its top, i.e. a DCP step folder (an earlier import)
+IMPORT_MARKER = ".metadata"
+
 
 def _has_tokenizer(folder: str) -> bool:
     return any(os.path.isfile(os.path.join(folder, n)) for n in ("tokenizer.json", "tokenizer_config.json"))
@@ -29,11 +34,19 @@ def import_hf(model: str, output: str, *, tokenizer: str | None = None, overwrit
     Raises ConversionError (one line) on bad input, before writing anything."""
     from hybridtitan.checkpoint import save_model_checkpoint
     from hybridtitan.data.tokenizer import vocab_mismatch
-    from hybridtitan.hf.convert import ConversionError, load_tokenizer, model_from_state, publish_folder, read_hf_model
+    from hybridtitan.hf.convert import (
+        ConversionError,
+        load_tokenizer,
+        model_from_state,
+        output_problem,
+        publish_folder,
+        read_hf_model,
+    )
 
     output = os.path.normpath(output)
-    if os.path.exists(output) and not overwrite:
-        raise ConversionError(f"output folder exists: {output} (pass --overwrite to replace it)")
+    problem = output_problem(output, overwrite, marker=IMPORT_MARKER, what="an earlier import or step folder")
+    if problem:
+        raise ConversionError(problem)
     args, state, model_type = read_hf_model(model)
     net = model_from_state(args, state, source=model)
     del state
@@ -70,8 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    if os.path.exists(args.output) and not args.overwrite:  # before reading any checkpoint
-        fail(f"output folder exists: {os.path.normpath(args.output)} (pass --overwrite to replace it)")
+    from hybridtitan.hf.convert import output_problem
+
+    problem = output_problem(os.path.normpath(args.output), args.overwrite, marker=IMPORT_MARKER,
+                             what="an earlier import or step folder")
+    if problem:  # before reading any checkpoint
+        fail(problem)
     if not os.path.isdir(args.model):
         fail(f"model folder not found: {args.model}")
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -142,3 +142,14 @@ def reshape_schedule(schedulers, lr_scheduler) -> None:
         groups = [{"params": [nn.Parameter(torch.zeros(1))]} for _ in scheduler.lr_lambdas]
         stand_in = _held_schedule(torch.optim.SGD(groups, lr=1.0), lr_scheduler, lr_scheduler.total_steps)
         scheduler.lr_lambdas = list(stand_in.schedulers[0].lr_lambdas)
+
+
+def apply_schedule(schedulers) -> None:
+    """Sets each parameter group's learning rate to its schedule's at the schedule's step. A resume loads the
+    optimizer's rates and the schedule's step apart: with either left out of loading (a fresh optimizer on a
+    resumed schedule, or a new schedule on a resumed optimizer) the first step would otherwise run at the rate the
+    other one holds; the schedule writes the rates only when it steps."""
+    for scheduler in schedulers.schedulers:
+        for group, base_lr, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base_lr * factor(scheduler.last_epoch)
+

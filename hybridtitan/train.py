@@ -60,6 +60,7 @@ from hybridtitan.models import build_model
 from hybridtitan.models.flops import flops_per_token, param_counts
 from hybridtitan.optim import (
     SCHEDULE_KEYS,
+    apply_schedule,
     build_lr_scheduler,
     build_optimizer,
     clip_grad_norm_,
@@ -304,9 +305,7 @@ def train(cfg, plan: Plan) -> dict:
         if rank == 0:
             message = first_error_line(e)
             if "dataloader." in message:  # DCP naming a loader key it lacks: another data.num_workers
-                message = ("its data loader state does not fit this run's loader: it needs the data.num_workers "
-                           "of the run that saved it (checkpoint.exclude_from_loading = [\"dataloader\"] starts "
-                           f"the data afresh) [{message}]")
+                message = f"{_OTHER_WORKERS} [{message}]"
             print(f"error: cannot resume from the checkpoint: {message}", file=sys.stderr)
         dist.destroy_process_group()
         sys.exit(2)
@@ -340,26 +339,52 @@ def train(cfg, plan: Plan) -> dict:
     return last
 
 
+_OTHER_WORKERS = ("its data loader state does not fit this run's loader: it needs the data.num_workers of the run "
+                  "that saved it (checkpoint.exclude_from_loading = [\"dataloader\"] starts the data afresh)")
+
+
 def _resume(cfg, ckpt: CheckpointManager, state: TrainState) -> None:
     latest = ckpt.latest_step() if cfg.checkpoint.enable else None
-    step_dir = None
+    if cfg.checkpoint.enable and latest is None and os.path.isfile(os.path.join(ckpt.folder, ".metadata")):
+        # e.g. python -m hybridtitan.import_hf --output DUMP/checkpoint: training from scratch beside it would
+        # look like a resume that silently lost its weights
+        raise ValueError(f"{ckpt.folder} holds a checkpoint itself, not in a step-N folder: move it to "
+                         f"{os.path.join(ckpt.folder, 'step-0')} to start from its weights (or name it in "
+                         "checkpoint.initial_load_path)")
+    step_dir, model_only = None, False
     if cfg.checkpoint.enable and cfg.checkpoint.load_step > 0:
         step_dir = resolve_checkpoint(ckpt.folder, cfg.checkpoint.load_step)
-        ckpt.load(step_dir)
-        logger.info(f"resumed from {step_dir} (step {state.step})")
+        said = f"resumed from {step_dir}"
     elif latest is not None:
         # a step-0 folder is a model-only starting point (python -m hybridtitan.import_hf writes one)
-        step_dir = os.path.join(ckpt.folder, f"step-{latest}")
-        ckpt.load(step_dir, model_only=latest == 0)
-        logger.info(f"resumed from {ckpt.folder}/step-{latest} (step {state.step})")
+        step_dir, model_only = os.path.join(ckpt.folder, f"step-{latest}"), latest == 0
+        said = f"resumed from {ckpt.folder}/step-{latest}"
     elif cfg.checkpoint.initial_load_path:
         step_dir = resolve_checkpoint(cfg.checkpoint.initial_load_path)
-        ckpt.load(step_dir, model_only=cfg.checkpoint.initial_load_model_only)
-        logger.info(f"initialised from {step_dir}" + (" (model only)" if cfg.checkpoint.initial_load_model_only
-                                                      else f" (step {state.step})"))
-    if step_dir is not None and state.step > 0 and "lr_scheduler" not in cfg.checkpoint.exclude_from_loading:
+        model_only = cfg.checkpoint.initial_load_model_only
+        said = f"initialised from {step_dir}" + (" (model only)" if model_only else "")
+    if step_dir is None:
+        return _warn_about_resumed_values(cfg, ckpt, state)
+    if not model_only and "dataloader" not in cfg.checkpoint.exclude_from_loading and not is_model_only(step_dir):
+        _check_the_loaders_workers(cfg, step_dir)
+    ckpt.load(step_dir, model_only=model_only)
+    logger.info(said + ("" if model_only else f" (step {state.step})"))
+    if state.step > 0 and "lr_scheduler" not in cfg.checkpoint.exclude_from_loading:
         _keep_the_checkpoints_schedule(cfg, ckpt, step_dir)
+    apply_schedule(ckpt.lr_scheduler)  # the rates of the schedule in force, whichever parts were loaded
     _warn_about_resumed_values(cfg, ckpt, state)
+
+
+def _check_the_loaders_workers(cfg, step_dir: str) -> None:
+    """A loader's state holds one position per worker: it loads only into the same data.num_workers. Said before
+    loading, since DCP and the loader refuse others in ways that name neither (a bare assertion, for one)."""
+    try:
+        saved = read_job_config(step_dir)["data"]["num_workers"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no job config to compare with (written by other tools): the load itself decides
+    if saved != cfg.data.num_workers:
+        raise ValueError(f"{_OTHER_WORKERS}: the checkpoint's data.num_workers is {saved}, this run's "
+                         f"{cfg.data.num_workers}")
 
 
 _NEW_SCHEDULE = '(checkpoint.exclude_from_loading = ["lr_scheduler"] starts a new one)'

@@ -24,6 +24,7 @@ from hybridtitan.data import Data, MegatronWriter, build_dataloader, build_token
 from hybridtitan.data.megatron import MegatronDataset  # noqa: E402
 from hybridtitan.data.packing import Packer, cu_seqlens, document_starts, with_eos  # noqa: E402
 from hybridtitan.data.sources import HFSource, MegatronSource, ShardedDocuments, load_hf_dataset  # noqa: E402
+from hybridtitan.errors import DataError  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")  # torchdata 0.11 on torch 2.13
 
@@ -283,6 +284,30 @@ def test_resume_world2_state_on_world1(kind, tok, corpus, megatron_prefix, caplo
 # ------------------------------------------------------------------------------------------------- Megatron
 
 
+def test_bad_documents_met_while_training(tmp_path, tok):
+    """Found only when the loader reaches them: a text field that is not text, and token files with ids past the
+    model's vocabulary (made with another tokenizer). Each is one DataError line, not a traceback from the
+    tokenizer or the embedding."""
+    def first_batch(cfg):
+        loader = build_dataloader(cfg, tok, seq_len=16, local_batch_size=2, dp_rank=0, dp_world_size=1, seed=0,
+                                  vocab_size=512)
+        with pytest.raises(DataError) as e:
+            next(iter(loader))
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    for bad, kind in ((7, "int 7"), (["a", "list"], "list ['a', 'list']")):
+        path = tmp_path / f"bad_{type(bad).__name__}.jsonl"
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["some words here"] * 3 + [bad]))
+        for streaming in (False, True):
+            msg = first_batch(Data(path=str(path), shuffle=False, streaming=streaming))
+            assert "'text' holds " + kind + ", not text" in msg, msg
+    with MegatronWriter(str(tmp_path / "wide"), vocab_size=70000) as w:
+        w.add_document(np.arange(40) * 1000)  # ids up to 39,000 for a model of 512
+    msg = first_batch(Data(source="megatron", path=str(tmp_path / "wide")))
+    assert msg.startswith("data: token id ") and "outside the model's vocabulary (512 ids)" in msg, msg
+
+
 def test_megatron_round_trip(tmp_path):
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, 70000, size=int(rng.integers(1, 50))) for _ in range(20)]
@@ -345,6 +370,8 @@ def test_bad_input(tmp_path, tok, tok_dir, corpus, megatron_prefix):
     assert error(Data(path=str(tmp_path / "nope.jsonl"))).startswith("data.path: no such file or folder")
     assert error(Data(path=str(tmp_path / "nothing_here/"))).startswith("data.path: no such file or folder")
     assert error(Data(source="webdataset")).startswith("data.source must be one of hf, megatron, mock")
+    (tmp_path / "empty.jsonl").write_text("")
+    assert error(Data(path=str(tmp_path / "empty.jsonl"))) == f"data.path: {tmp_path / 'empty.jsonl'} is empty: no documents"
     assert error(Data(source="megatron", path=str(tmp_path / "missing"))).startswith("data.path: no Megatron dataset")
     assert error(Data(path=corpus["train"], text_field="content")).startswith("data.text_field: no column 'content'")
     msg = error(Data(path=corpus["train"]), vocab_size=100)

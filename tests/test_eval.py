@@ -153,6 +153,17 @@ def test_eval_bad_input(trained, tmp_path, capsys):
     # a results folder under a file cannot be made: refused before the evaluation
     expect(["--checkpoint", str(trained["debug_gdn"]), *common, "--output_path", str(existing / "r.json")],
            "is not a writable folder")
+    expect(["--checkpoint", str(trained["debug_gdn"]), *common, "--num_fewshot", "-1"], "--num_fewshot must be >= 0")
+    hf_folder = tmp_path / "hf"
+    hf_folder.mkdir()
+    (hf_folder / "config.json").write_text("{}")
+    expect(["--checkpoint", str(hf_folder), "--step", "3", *common], "is a Hugging Face folder")
+    # a tokenizer with more ids than the model's embedding holds: refused before the weights are read
+    small = tmp_path / "small" / "checkpoint"
+    shutil.copytree(Path(trained["debug_gdn"]) / "checkpoint", small)
+    for args_file in small.glob("step-*/model_args.json"):
+        args_file.write_text(json.dumps({**json.loads(args_file.read_text()), "vocab_size": 1000}))
+    expect(["--checkpoint", str(small.parent), *common], "is larger than the model's vocab_size (1000)")
     # a checkpoint whose model_args.json is gone or damaged
     for damage in ("missing", "damaged"):
         copy = tmp_path / damage / "checkpoint"

@@ -183,6 +183,27 @@ def test_cache_is_a_transformers_cache(exports):
     torch.testing.assert_close(step, full, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="padded"):
         hf.generate(x, attention_mask=torch.tensor([[0] * 2 + [1] * 5, [1] * 7]), max_new_tokens=2)
+    # a right-padded batch in a plain eval forward (scoring) is right, without a cache; a cache asked for is refused
+    mask = torch.tensor([[1] * 4 + [0] * 3, [1] * 7])
+    with torch.no_grad():
+        out = hf(x, attention_mask=mask)
+        alone = hf(x[:1, :4]).logits
+    assert out.cache is None
+    torch.testing.assert_close(out.logits[:1, :4], alone, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="padded"):
+        hf(x, attention_mask=mask, use_cache=True)
+
+
+def test_resized_embeddings_save_and_load_again(exports, tmp_path):
+    from hybridtitan.hf import HybridTitanForCausalLM
+
+    hf = HybridTitanForCausalLM.from_pretrained(str(exports["debug_hybrid", "hybridtitan"]))
+    hf.resize_token_embeddings(8200)
+    hf.save_pretrained(tmp_path / "resized")
+    again = HybridTitanForCausalLM.from_pretrained(str(tmp_path / "resized"))
+    assert again.config.vocab_size == again.config.to_model_args().vocab_size == 8200
+    assert again.get_input_embeddings().weight.shape[0] == 8200
+    torch.testing.assert_close(again.get_input_embeddings().weight, hf.get_input_embeddings().weight)
 
 
 # ------------------------------------------------------------------------------------------ FLA's layouts
@@ -335,17 +356,23 @@ def test_export_bad_input(trained, tmp_path, capsys):
     # an unknown option: one line too
     _expect_error(capsys, main, ["--checkpoint", str(dump), "--output", str(out), "--dtype", "int3"], "--dtype")
     assert not out.exists() and not list(tmp_path.glob(".out.export*"))
-    # an existing output folder is refused and left intact; --overwrite replaces it
+    # an existing output folder is refused and left intact, and --overwrite replaces only an earlier export: a
+    # folder of other things stays as it is
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     _expect_error(capsys, main, ["--checkpoint", str(dump), "--output", str(out)], "exists")
+    _expect_error(capsys, main, ["--checkpoint", str(dump), "--output", str(out), "--overwrite"],
+                  "--overwrite replaces only an earlier export (a folder with config.json)")
     assert (out / "keep.txt").read_text() == "mine" and len(list(out.iterdir())) == 1
+    (out / "keep.txt").unlink()  # an empty folder is written without --overwrite
+    main(["--checkpoint", str(dump), "--output", str(out)])
+    (out / "stale.txt").write_text("from before")
     main(["--checkpoint", str(dump), "--output", str(out), "--overwrite"])
-    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    assert not (out / "stale.txt").exists() and (out / "config.json").is_file()
     # --overwrite never replaces the folder that holds the checkpoint itself
     for holder in (dump, dump / "checkpoint"):
         _expect_error(capsys, main, ["--checkpoint", str(dump), "--output", str(holder), "--overwrite"],
-                      "holds the checkpoint being exported")
+                      "choose another folder")
     assert (dump / "checkpoint" / f"step-{STEPS}" / "model_args.json").is_file()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
@@ -373,6 +400,14 @@ def test_import_bad_input(exports, tmp_path, capsys):
     (foreign / "model.safetensors").unlink()
     _expect_error(capsys, main, ["--model", str(foreign), "--output", str(out)], "no weights")
     assert not out.exists()
-    out.mkdir(parents=True)
-    _expect_error(capsys, main, ["--model", str(exports["debug_gdn", "fla"]), "--output", str(out)], "exists")
-    assert list(out.iterdir()) == []
+    # an existing folder is refused; --overwrite replaces only a step folder (an earlier import), never a training
+    # run's dump or checkpoint folder
+    run = tmp_path / "run"
+    (run / "checkpoint" / "step-4").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    model = str(exports["debug_gdn", "fla"])
+    _expect_error(capsys, main, ["--model", model, "--output", str(run)], "exists")
+    for target in (run, run / "checkpoint"):
+        _expect_error(capsys, main, ["--model", model, "--output", str(target), "--overwrite"],
+                      "--overwrite replaces only an earlier import or step folder (a folder with .metadata)")
+    assert (run / "metrics.jsonl").is_file() and (run / "checkpoint" / "step-4").is_dir()

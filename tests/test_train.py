@@ -157,6 +157,34 @@ def test_async_checkpoints_complete_and_resume(tmp_path):
     assert "step-6" in proc.stdout and max(losses(dump)) == 8
 
 
+def test_async_checkpoint_is_complete_as_soon_as_it_is_written(tmp_path):
+    """A background save renames its step folder (and names it in `latest`) when its write ends, not at the next
+    save or at the end of the run: a crash in between would otherwise lose it."""
+    from hybridtitan.checkpoint import CheckpointManager
+    from hybridtitan.models import build_model, get_flavor
+
+    args = get_flavor("debug_gdn")
+    model = build_model(args, "cpu")
+    with torch.no_grad():
+        model.init_weights()
+    folder = tmp_path / "checkpoint"
+    ckpt = CheckpointManager(str(folder), model=model, optimizer=None, lr_scheduler=None, dataloader=None,
+                             train_state=None, dp_rank=0, dp_world_size=1, model_args=args, job_config={},
+                             interval=2, async_mode="async")
+    ckpt.save(2, model_only=True)
+    deadline = time.monotonic() + 120
+    while complete_steps(str(folder)) != [2] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        assert complete_steps(str(folder)) == [2], os.listdir(folder)
+        assert (folder / "latest").read_text().strip() == "step-2"
+        assert ckpt._pending is not None  # nobody waited for it
+    finally:
+        ckpt.close()
+    loaded, _ = load_model(str(folder / "step-2"))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.state_dict().items())
+
+
 def test_gradient_accumulation_matches_larger_batch(tmp_path):
     """local batch 2 x 2 accumulation steps == local batch 4 (same data, same update, up to rounding)."""
     big, acc = tmp_path / "big", tmp_path / "acc"
@@ -243,6 +271,25 @@ def test_sigterm_to_one_rank_saves_and_stops_all(tmp_path):
     steps = complete_steps(str(dump / "checkpoint"))
     assert len(steps) == 1 and steps[0] == max(losses(dump)) >= 3
     assert out.count("stopped at step") == 2  # both ranks, one line each
+
+
+def test_sigterm_to_the_process_group_with_loader_workers_saves(tmp_path):
+    """SIGTERM to the whole process group (job control, `kill -- -PGID`) with data.num_workers > 0: the loader's
+    workers, in process groups of their own, do not die of it first, so the run saves and stops cleanly."""
+    dump = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hybridtitan.train", "--job.config_file", RECIPE, "--job.dump_folder", str(dump),
+           *QUICK, "--training.local_batch_size", "4", "--training.steps", "100000", "--checkpoint.enable", "true",
+           "--checkpoint.interval", "100000", "--data.num_workers", "2"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    while not (dump / "metrics.jsonl").exists() or len((dump / "metrics.jsonl").read_text().splitlines()) < 3:
+        assert time.time() < deadline and proc.poll() is None, "training did not start"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert complete_steps(str(dump / "checkpoint")) == [max(losses(dump))]
 
 
 # ----------------------------------------------------------------------------------------------- bad input
@@ -477,6 +524,58 @@ def test_resume_keeps_the_checkpoints_schedule_when_the_run_grows(tmp_path):
     # the same resume with an unchanged shape says nothing about the schedule
     proc = run_train(dump, *args, "--training.steps", "8", "--lr_scheduler.total_steps", "4", nproc=1)
     assert "lr_scheduler:" not in proc.stdout + proc.stderr
+
+
+def test_resume_with_parts_left_out_steps_at_the_schedules_rate(tmp_path):
+    """checkpoint.exclude_from_loading: a new schedule on a resumed optimizer starts at its own first rate, and a
+    fresh optimizer on a resumed schedule takes the schedule's rate (neither the other part's); a checkpoint of
+    another data.num_workers, and one put directly in checkpoint/ (not in a step-N folder), are refused in a line."""
+    import shutil
+
+    def lrs(dump):
+        return {r["step"]: r["lr"] for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())}
+
+    args = [*QUICK, "--lr_scheduler.warmup_steps", "3", "--checkpoint.enable", "true", "--checkpoint.interval", "4",
+            "--training.steps", "6"]
+    straight = tmp_path / "straight"
+    run_train(straight, *args, nproc=1)
+    ref = lrs(straight)
+    assert len({ref[1], ref[2], ref[5]}) == 3
+
+    def resumed(name: str, *extra: str, check: bool = True):
+        dump = tmp_path / name
+        shutil.copytree(straight / "checkpoint" / "step-4", dump / "checkpoint" / "step-4")
+        return dump, run_train(dump, *args, *extra, nproc=1, check=check)
+
+    dump, _ = resumed("new_schedule", "--checkpoint.exclude_from_loading", "lr_scheduler")
+    assert [lrs(dump)[5], lrs(dump)[6]] == [pytest.approx(ref[1]), pytest.approx(ref[2])]
+    dump, _ = resumed("new_optimizer", "--checkpoint.exclude_from_loading", "optimizer")
+    assert [lrs(dump)[5], lrs(dump)[6]] == [pytest.approx(ref[5]), pytest.approx(ref[6])]
+    _, proc = resumed("workers", "--data.num_workers", "1", check=False)
+    assert proc.returncode != 0  # torchrun's own code: the rank's is 2
+    assert "the checkpoint's data.num_workers is 0, this run's 1" in proc.stderr, proc.stderr[-2000:]
+    flat = tmp_path / "flat"
+    shutil.copytree(straight / "checkpoint" / "step-4", flat / "checkpoint")
+    proc = run_train(flat, *args, nproc=1, check=False)
+    assert proc.returncode != 0 and "holds a checkpoint itself, not in a step-N folder" in proc.stderr
+
+
+def test_error_on_one_rank_with_a_background_save_ends_the_run_at_once(tmp_path):
+    """A rank that meets bad data mid-run while an async save is in flight: its save completes without a barrier
+    the other rank never reaches, and the run ends in seconds with the saves made so far, not at the timeout."""
+    words = "the quick brown fox jumps over the lazy dog and keeps on running through the field " * 3
+    texts = [words] * 300
+    texts[201] = 7  # rank 1's 101st document (positions 1, 3, 5, ...): past its first block of 64
+    data = tmp_path / "late.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    t0 = time.monotonic()
+    proc = run_train(tmp_path / "run", *QUICK, "--training.steps", "200", "--data.path", str(data), "--data.shuffle",
+                     "false", "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--checkpoint.async_mode",
+                     "async", "--comm.init_timeout_seconds", "240", check=False, timeout=600)
+    assert proc.returncode != 0
+    assert "error: data: document 201: 'text' holds int 7, not text" in proc.stderr.splitlines(), proc.stderr[-3000:]
+    assert time.monotonic() - t0 < 180, "waited for the collective timeout"
+    assert len(complete_steps(str(tmp_path / "run" / "checkpoint"))) >= 2
 
 
 def test_error_on_one_rank_ends_the_run_at_once(tmp_path):

@@ -24,9 +24,13 @@ A warning says so. `data.num_workers` must not change (StatefulDataLoader keeps 
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
+
+from hybridtitan.errors import DataError
 
 from .config import Data, validate_data_config
 from .packing import Packer, cu_seqlens
@@ -85,12 +89,19 @@ class PackedDataset(IterableDataset):
 class Collate:
     """Stacks samples into a batch; with document boundaries, adds cu_seqlens over the flattened batch."""
 
-    def __init__(self, eos: int, document_boundaries: bool):
-        self.eos, self.document_boundaries = eos, document_boundaries
+    def __init__(self, eos: int, document_boundaries: bool, vocab_size: int | None = None):
+        self.eos, self.document_boundaries, self.vocab_size = eos, document_boundaries, vocab_size
 
     def __call__(self, samples: list[dict]) -> dict:
         batch = {"input_ids": torch.stack([s["input_ids"] for s in samples]),
                  "labels": torch.stack([s["labels"] for s in samples])}
+        if self.vocab_size is not None:
+            # token files made with another tokenizer: an id past the embedding table is an index error on a CPU
+            # and a device-side assert on a GPU, far from its cause
+            top = int(torch.maximum(batch["input_ids"].max(), batch["labels"].max()))
+            if top >= self.vocab_size:
+                raise DataError(f"data: token id {top} is outside the model's vocabulary ({self.vocab_size} ids): "
+                                "data tokenized for another vocabulary?")
         if self.document_boundaries:
             batch["cu_seqlens"] = cu_seqlens(batch["input_ids"], self.eos)
         return batch
@@ -119,5 +130,14 @@ def build_dataloader(cfg: Data, tokenizer, *, seq_len: int, local_batch_size: in
         raise ValueError(f"data.tokenizer: the EOS id ({eos}) is outside the model's vocab_size ({vocab_size})")
     dataset = PackedDataset(cfg, tokenizer, seq_len=seq_len, dp_rank=dp_rank, dp_world_size=dp_world_size,
                             seed=seed, eos=eos, vocab_size=vocab_size)
-    return StatefulDataLoader(dataset, batch_size=local_batch_size, collate_fn=Collate(eos, cfg.document_boundaries),
-                              num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available())
+    collate = Collate(eos, cfg.document_boundaries, vocab_size)
+    return StatefulDataLoader(dataset, batch_size=local_batch_size, collate_fn=collate,
+                              num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available(),
+                              worker_init_fn=_own_process_group if cfg.num_workers else None)
+
+
+def _own_process_group(worker_id: int) -> None:
+    """A loader worker leaves the trainer's process group: a SIGTERM sent to the group (a terminal's job control,
+    `kill -- -PGID`) then reaches the trainer alone, which saves and stops (train._StopRequest), instead of
+    killing the workers first and the run with them. The loader still stops its workers itself."""
+    os.setpgid(0, 0)

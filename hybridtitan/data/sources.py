@@ -34,6 +34,14 @@ BLOCK = 64
 # Random-access sources: len(), documents(indices) -> list of int arrays, fingerprint (what a checkpoint checks)
 
 
+def _text(value, field: str, where: str) -> str:
+    """A document's text, or "" for a missing one; anything else is bad data, said in one line (the tokenizer
+    would fail on it with a traceback, or encode a list as a pre-split text without a word)."""
+    if value is None or isinstance(value, str):
+        return value or ""
+    raise DataError(f"data: {where}: {field!r} holds {type(value).__name__} {repr(value)[:60]}, not text")
+
+
 class HFSource:
     """A map-style Hugging Face dataset, tokenized on the fly (no special tokens: packing adds the EOS)."""
 
@@ -48,8 +56,10 @@ class HFSource:
         return len(self.texts)
 
     def documents(self, indices) -> list[np.ndarray]:
-        texts = self.texts[[int(i) for i in indices]][self.text_field]
-        return [np.asarray(ids, dtype=np.int64) for ids in encode_batch(self.tokenizer, [t or "" for t in texts])]
+        indices = [int(i) for i in indices]
+        texts = [_text(t, self.text_field, f"document {i}")
+                 for i, t in zip(indices, self.texts[indices][self.text_field])]
+        return [np.asarray(ids, dtype=np.int64) for ids in encode_batch(self.tokenizer, texts)]
 
 
 class MegatronSource:
@@ -199,7 +209,7 @@ class StreamingDocuments:
             self._iter = iter(self.dataset)
         texts, states = [], []
         for example in self._iter:
-            texts.append(example[self.text_field] or "")
+            texts.append(_text(example[self.text_field], self.text_field, f"rank {self.shard}'s stream"))
             states.append(self.dataset.state_dict())
             if len(texts) == BLOCK:
                 break
@@ -254,6 +264,8 @@ def load_hf_dataset(cfg: Data):
             files = local_data_files(path)
             if not files:
                 raise ValueError(f"data.path: no such file or folder: {cfg.path}")
+            if all(os.path.getsize(f) == 0 for f in files):  # datasets would say only "StopIteration"
+                raise ValueError(f"data.path: {cfg.path} is empty: no documents")
             builder = file_builder(files[0])
             if builder is None:
                 raise ValueError(f"data.path: cannot tell the file type of {files[0]}")

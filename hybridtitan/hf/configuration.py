@@ -90,6 +90,9 @@ class HybridTitanConfig(PreTrainedConfig):
     def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
         """Also writes the two files that auto_map names, so that the folder loads with trust_remote_code."""
         self.auto_map = dict(AUTO_MAP)
+        if self.model_args and getattr(self, "vocab_size", None) not in (None, self.model_args.get("vocab_size")):
+            # resize_token_embeddings sets vocab_size: the folder's model is the resized one
+            self.model_args["vocab_size"] = self.vocab_size
         with without_auto_class(self):
             super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
         write_remote_code(save_directory)

@@ -378,6 +378,26 @@ def load_hf_model(folder: str, dtype: torch.dtype = torch.float32, device="cpu")
     return model_from_state(args, state, dtype, device, source=folder)
 
 
+def output_problem(output: str, overwrite: bool, *, marker: str, what: str) -> str | None:
+    """Why ``output`` may not be written, or None. A missing or empty folder may be; an existing one only with
+    ``overwrite``, and only when it holds ``marker`` at its top (what this tool writes): --overwrite replaces
+    an earlier result, never a folder of other things (a training run, a folder of models)."""
+    if not os.path.exists(output):
+        return None
+    if not os.path.isdir(output):
+        return f"output exists and is not a folder: {output}"
+    entries = sorted(os.listdir(output))
+    if not entries:
+        return None
+    if not overwrite:
+        return f"output folder exists: {output} (pass --overwrite to replace it)"
+    if marker not in entries:
+        shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
+        return (f"--overwrite replaces only {what} (a folder with {marker}) or an empty folder: {output} holds "
+                f"{shown}; choose another folder")
+    return None
+
+
 def publish_folder(tmp: str, output: str) -> None:
     """Moves a completely written folder into place; an existing ``output`` (already allowed to be replaced) is
     swapped out first and removed after, so ``output`` is never half-written."""

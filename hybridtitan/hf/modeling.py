@@ -174,7 +174,9 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
         if cache is None:
             cache = past_key_values
         if use_cache is None:
-            use_cache = self.config.use_cache and not self.training
+            # by default an eval forward returns a cache to decode on, except for a padded batch (scoring,
+            # evaluation), which it cannot hold: such a forward is right without one (_check_mask)
+            use_cache = self.config.use_cache and not self.training and not _padded(attention_mask)
         if cache is not None and not isinstance(cache, HybridCache):
             raise TypeError(f"HybridTitanForCausalLM needs a HybridCache, got {type(cache).__name__}")
         if use_cache and cache is None:
@@ -201,9 +203,13 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
 
 
+def _padded(attention_mask: torch.Tensor | None) -> bool:
+    return attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all())
+
+
 def _check_mask(attention_mask: torch.Tensor | None, with_cache: bool) -> None:
     """Right padding is harmless in a causal forward; anything else would leak pads into the recurrent state."""
-    if attention_mask is None or attention_mask.dim() != 2 or bool(attention_mask.all()):
+    if not _padded(attention_mask):
         return
     if with_cache:
         raise ValueError("HybridTitanForCausalLM cannot decode padded batches (a recurrent state cannot skip pads): "
