@@ -371,7 +371,8 @@ def test_bad_input(tmp_path, tok, tok_dir, corpus, megatron_prefix):
     assert error(Data(path=str(tmp_path / "nothing_here/"))).startswith("data.path: no such file or folder")
     assert error(Data(source="webdataset")).startswith("data.source must be one of hf, megatron, mock")
     (tmp_path / "empty.jsonl").write_text("")
-    assert error(Data(path=str(tmp_path / "empty.jsonl"))) == f"data.path: {tmp_path / 'empty.jsonl'} is empty: no documents"
+    empty = tmp_path / "empty.jsonl"
+    assert error(Data(path=str(empty))) == f"data.path: {empty} is empty: no documents"
     assert error(Data(source="megatron", path=str(tmp_path / "missing"))).startswith("data.path: no Megatron dataset")
     assert error(Data(path=corpus["train"], text_field="content")).startswith("data.text_field: no column 'content'")
     msg = error(Data(path=corpus["train"]), vocab_size=100)
