@@ -12,7 +12,7 @@ where the export is loaded. ``--format hybridtitan`` writes a GDN/KDA model in o
 
 The folder is written next to the output under a temporary name and renamed into place once complete, so an
 interrupted export leaves nothing that looks finished. An existing output folder that is not empty is refused;
---overwrite replaces an earlier export (a folder with config.json), never a folder of other things.
+--overwrite replaces an earlier export (only the files an export writes), never a folder of other things.
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ import warnings
 
 DTYPES = ("bfloat16", "float32", "float16")
 FORMATS = ("auto", "fla", "hybridtitan")
-# what --overwrite may replace: a folder holding this file at its top, i.e. an earlier export
-EXPORT_MARKER = "config.json"
 
 
 def _max_position_embeddings(step_dir: str) -> int:
@@ -63,17 +61,14 @@ def export(checkpoint: str, output: str, *, step: int | None = None, dtype: str 
     )
 
     output = os.path.normpath(output)
-    problem = output_problem(output, overwrite, marker=EXPORT_MARKER, what="an earlier export")
+    problem = output_problem(output, overwrite, "export")
     if problem:
         raise ConversionError(problem)
     if dtype not in DTYPES:
         raise ConversionError(f"--dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
     if format not in FORMATS:
         raise ConversionError(f"--format must be one of {', '.join(FORMATS)} (got {format!r})")
-    step_dir = resolve_checkpoint(checkpoint, step)
-    if os.path.commonpath([os.path.realpath(output), os.path.realpath(step_dir)]) == os.path.realpath(output):
-        raise ConversionError(f"--output {output} holds the checkpoint being exported ({step_dir}): replacing it "
-                              "would delete the checkpoint; choose another folder")
+    step_dir = resolve_checkpoint(checkpoint, step)  # (an --output holding it is refused above: not an export)
     args = load_model_args(step_dir)  # CheckpointError naming the file if it cannot be read
     problem = fla_layout_problem(args)
     if format == "fla" and problem:
@@ -184,8 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     from hybridtitan.hf.convert import output_problem
 
-    problem = output_problem(os.path.normpath(args.output), args.overwrite, marker=EXPORT_MARKER,
-                             what="an earlier export")
+    problem = output_problem(os.path.normpath(args.output), args.overwrite, "export")
     if problem:  # before reading any checkpoint
         fail(problem)
     warnings.filterwarnings("ignore", message="Triton is not supported")  # FLA on a CPU machine

@@ -8,8 +8,8 @@ Reads an FLA GatedDeltaNet/KDA checkpoint (GatedDeltaNetForCausalLM, KDAForCausa
 (model_type hybridtitan), checks that every tensor fits the model its config describes, and writes a model-only
 DCP checkpoint with model_args.json; the tokenizer found in the folder (or --tokenizer) is saved inside it under
 ``tokenizer/``, where export and evaluation find it. The step folder appears only once complete. An existing
-output folder that is not empty is refused; --overwrite replaces an earlier import or step folder (one with
-DCP's .metadata), never a training run's dump or checkpoint folder.
+output folder that is not empty is refused; --overwrite replaces an earlier import (a model-only step folder),
+never a training checkpoint or a run's dump or checkpoint folder.
 """
 
 from __future__ import annotations
@@ -20,9 +20,6 @@ import shutil
 import warnings
 
 from hybridtitan.export_hf import OneLineParser, fail
-
-# what --overwrite may replace: a folder holding this file at its top, i.e. a DCP step folder (an earlier import)
-IMPORT_MARKER = ".metadata"
 
 
 def _has_tokenizer(folder: str) -> bool:
@@ -44,7 +41,7 @@ def import_hf(model: str, output: str, *, tokenizer: str | None = None, overwrit
     )
 
     output = os.path.normpath(output)
-    problem = output_problem(output, overwrite, marker=IMPORT_MARKER, what="an earlier import or step folder")
+    problem = output_problem(output, overwrite, "import")
     if problem:
         raise ConversionError(problem)
     args, state, model_type = read_hf_model(model)
@@ -85,8 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     from hybridtitan.hf.convert import output_problem
 
-    problem = output_problem(os.path.normpath(args.output), args.overwrite, marker=IMPORT_MARKER,
-                             what="an earlier import or step folder")
+    problem = output_problem(os.path.normpath(args.output), args.overwrite, "import")
     if problem:  # before reading any checkpoint
         fail(problem)
     if not os.path.isdir(args.model):

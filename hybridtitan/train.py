@@ -167,6 +167,11 @@ def _check_checkpoints(cfg, args) -> None:
             start = resolve_checkpoint(cfg.checkpoint.initial_load_path)
         except ValueError as e:
             raise ConfigError(f"checkpoint.initial_load_path: {e}") from None
+    if cfg.checkpoint.enable and steps and steps[-1] > 0 and "train_state" in cfg.checkpoint.exclude_from_loading:
+        raise ConfigError(f"checkpoint.exclude_from_loading: train_state restarts the step count at 0 in {folder}, "
+                          f"which holds step {steps[-1]}: the new checkpoints would sit below it (the next resume "
+                          "would return to it, and keep_latest_k would delete them). To train on from its weights, "
+                          "give it as checkpoint.initial_load_path with another job.dump_folder")
     if start is not None:
         try:
             saved = load_model_args(start)
@@ -345,7 +350,8 @@ _OTHER_WORKERS = ("its data loader state does not fit this run's loader: it need
 
 def _resume(cfg, ckpt: CheckpointManager, state: TrainState) -> None:
     latest = ckpt.latest_step() if cfg.checkpoint.enable else None
-    if cfg.checkpoint.enable and latest is None and os.path.isfile(os.path.join(ckpt.folder, ".metadata")):
+    if (cfg.checkpoint.enable and latest is None and not cfg.checkpoint.initial_load_path
+            and os.path.isfile(os.path.join(ckpt.folder, ".metadata"))):
         # e.g. python -m hybridtitan.import_hf --output DUMP/checkpoint: training from scratch beside it would
         # look like a resume that silently lost its weights
         raise ValueError(f"{ckpt.folder} holds a checkpoint itself, not in a step-N folder: move it to "

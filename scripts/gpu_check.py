@@ -20,7 +20,7 @@ fla  pure GDN / KDA models against FLA's GatedDeltaNetForCausalLM / KDAForCausal
      logits on the GPU within 1e-2, dense and packed, in float32 and in bf16. In bf16 two kernels that round
      in another order can differ by more while each is as far from the truth (KDA in our chunks of 32 against
      FLA's 64, at the 300M shapes): a bf16 case also passes when our logits are no further (x1.1) from the
-     float32 CPU reference than FLA's. Weights go through hybridtitan's exporter (python -m
+     float32 CPU reference than FLA's and the two differ by less than 3x the bar. Weights go through hybridtitan's exporter (python -m
      hybridtitan.export_hf) when it exists, checked tensor by tensor against this script's own name mapping,
      which is used otherwise (and alone in float32: the exporter writes bf16 weights).
 
@@ -71,6 +71,7 @@ TOL = 1e-2
 # fla, bf16: ours may be at most this much further from float32 than FLA's class when the two differ by more
 # than the bar
 BF16_AS_CLOSE = 1.1
+BF16_AS_CLOSE_BOUND = 3  # ... and then they may differ by at most 3x the bar
 E2E_FLAVORS = ("debug_gdn", "debug_kda", "debug_mamba2", "debug_hybrid")
 
 
@@ -679,7 +680,8 @@ def check_fla(res: Results, args, device) -> None:
                         # in bf16 two kernels that round in another order (KDA's chunks of 32 against FLA's 64)
                         # can differ by more than the bar while each is as far from float32: then ours must be
                         # no further from float32 than FLA's own class (float32 checks the weights themselves)
-                        as_close = dtype == torch.bfloat16 and ours_err <= BF16_AS_CLOSE * fla_err
+                        as_close = (dtype == torch.bfloat16 and ours_err <= BF16_AS_CLOSE * fla_err
+                                    and err < BF16_AS_CLOSE_BOUND * args.tol)
                         ok = math.isfinite(err) and (err < args.tol or as_close)
                         res.add({"section": "fla", "name": spec, "case": f"{case} logits [{label}, {dname}]",
                                  "status": "PASS" if ok else "FAIL", "logits_err": err,

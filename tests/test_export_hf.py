@@ -192,6 +192,10 @@ def test_cache_is_a_transformers_cache(exports):
     torch.testing.assert_close(out.logits[:1, :4], alone, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="padded"):
         hf(x, attention_mask=mask, use_cache=True)
+    with torch.no_grad():
+        cache = hf(x[:, :4]).cache
+    with pytest.raises(ValueError, match="padded"):  # a cache passed in is used, never dropped
+        hf(x[:, 4:], past_key_values=cache, attention_mask=mask)
 
 
 def test_resized_embeddings_save_and_load_again(exports, tmp_path):
@@ -362,13 +366,17 @@ def test_export_bad_input(trained, tmp_path, capsys):
     (out / "keep.txt").write_text("mine")
     _expect_error(capsys, main, ["--checkpoint", str(dump), "--output", str(out)], "exists")
     _expect_error(capsys, main, ["--checkpoint", str(dump), "--output", str(out), "--overwrite"],
-                  "--overwrite replaces only an earlier export (a folder with config.json)")
-    assert (out / "keep.txt").read_text() == "mine" and len(list(out.iterdir())) == 1
-    (out / "keep.txt").unlink()  # an empty folder is written without --overwrite
+                  "--overwrite replaces only an earlier export (only the files an export writes)")
+    (out / "config.json").write_text("{}")  # a project's config beside its other files is not an export
+    _expect_error(capsys, main, ["--checkpoint", str(dump), "--output", str(out), "--overwrite"], "keep.txt")
+    assert (out / "keep.txt").read_text() == "mine" and len(list(out.iterdir())) == 2
+    shutil.rmtree(out)
+    out.mkdir()  # an empty folder is written without --overwrite
     main(["--checkpoint", str(dump), "--output", str(out)])
-    (out / "stale.txt").write_text("from before")
+    stale = out / "model-00002-of-00002.safetensors"  # an earlier export's, sharded: replaced with the rest
+    stale.write_bytes(b"")
     main(["--checkpoint", str(dump), "--output", str(out), "--overwrite"])
-    assert not (out / "stale.txt").exists() and (out / "config.json").is_file()
+    assert not stale.exists() and (out / "config.json").is_file()
     # --overwrite never replaces the folder that holds the checkpoint itself
     for holder in (dump, dump / "checkpoint"):
         _expect_error(capsys, main, ["--checkpoint", str(dump), "--output", str(holder), "--overwrite"],
@@ -377,7 +385,7 @@ def test_export_bad_input(trained, tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
-def test_import_bad_input(exports, tmp_path, capsys):
+def test_import_bad_input(trained, exports, tmp_path, capsys):
     from hybridtitan.import_hf import main
 
     out = tmp_path / "checkpoint" / "step-0"
@@ -407,7 +415,15 @@ def test_import_bad_input(exports, tmp_path, capsys):
     (run / "metrics.jsonl").write_text("{}\n")
     model = str(exports["debug_gdn", "fla"])
     _expect_error(capsys, main, ["--model", model, "--output", str(run)], "exists")
-    for target in (run, run / "checkpoint"):
+    # a training checkpoint (optimizer, data position) is not replaced by a model-only import either
+    full = run / "checkpoint" / f"step-{STEPS}"
+    shutil.copytree(trained["debug_gdn"] / "checkpoint" / f"step-{STEPS}", full)
+    for target in (run, run / "checkpoint", full):
         _expect_error(capsys, main, ["--model", model, "--output", str(target), "--overwrite"],
-                      "--overwrite replaces only an earlier import or step folder (a folder with .metadata)")
+                      "--overwrite replaces only an earlier import (a model-only step folder)")
     assert (run / "metrics.jsonl").is_file() and (run / "checkpoint" / "step-4").is_dir()
+    assert (full / "model_args.json").is_file()
+    # an earlier import is replaced
+    main(["--model", model, "--output", str(out)])
+    main(["--model", model, "--output", str(out), "--overwrite"])
+    assert (out / ".metadata").is_file()

@@ -282,12 +282,16 @@ def test_sigterm_to_the_process_group_with_loader_workers_saves(tmp_path):
            "--checkpoint.interval", "100000", "--data.num_workers", "2"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    deadline = time.time() + 300
-    while not (dump / "metrics.jsonl").exists() or len((dump / "metrics.jsonl").read_text().splitlines()) < 3:
-        assert time.time() < deadline and proc.poll() is None, "training did not start"
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGTERM)
-    out, _ = proc.communicate(timeout=300)
+    try:
+        deadline = time.time() + 300
+        while not (dump / "metrics.jsonl").exists() or len((dump / "metrics.jsonl").read_text().splitlines()) < 3:
+            assert time.time() < deadline and proc.poll() is None, "training did not start"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:  # never leave a 100000-step run behind
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out[-3000:]
     assert complete_steps(str(dump / "checkpoint")) == [max(losses(dump))]
 
@@ -551,6 +555,8 @@ def test_resume_with_parts_left_out_steps_at_the_schedules_rate(tmp_path):
     assert [lrs(dump)[5], lrs(dump)[6]] == [pytest.approx(ref[1]), pytest.approx(ref[2])]
     dump, _ = resumed("new_optimizer", "--checkpoint.exclude_from_loading", "optimizer")
     assert [lrs(dump)[5], lrs(dump)[6]] == [pytest.approx(ref[5]), pytest.approx(ref[6])]
+    _, proc = resumed("restart", "--checkpoint.exclude_from_loading", "train_state", check=False)
+    assert proc.returncode != 0 and "train_state restarts the step count at 0" in proc.stderr, proc.stderr[-2000:]
     _, proc = resumed("workers", "--data.num_workers", "1", check=False)
     assert proc.returncode != 0  # torchrun's own code: the rank's is 2
     assert "the checkpoint's data.num_workers is 0, this run's 1" in proc.stderr, proc.stderr[-2000:]
@@ -558,6 +564,9 @@ def test_resume_with_parts_left_out_steps_at_the_schedules_rate(tmp_path):
     shutil.copytree(straight / "checkpoint" / "step-4", flat / "checkpoint")
     proc = run_train(flat, *args, nproc=1, check=False)
     assert proc.returncode != 0 and "holds a checkpoint itself, not in a step-N folder" in proc.stderr
+    # as the message says, it can be named as the starting point instead
+    proc = run_train(flat, *args, "--checkpoint.initial_load_path", str(flat / "checkpoint"), nproc=1)
+    assert "initialised from" in proc.stdout + proc.stderr
 
 
 def test_error_on_one_rank_with_a_background_save_ends_the_run_at_once(tmp_path):

@@ -24,7 +24,10 @@ A warning says so. `data.num_workers` must not change (StatefulDataLoader keeps 
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
@@ -138,6 +141,14 @@ def build_dataloader(cfg: Data, tokenizer, *, seq_len: int, local_batch_size: in
 
 def _own_process_group(worker_id: int) -> None:
     """A loader worker leaves the trainer's process group: a SIGTERM sent to the group (a terminal's job control,
-    `kill -- -PGID`) then reaches the trainer alone, which saves and stops (train._StopRequest), instead of
-    killing the workers first and the run with them. The loader still stops its workers itself."""
+    `kill -- -PGID`, torchrun stopping a rank) then reaches the trainer alone, which saves and stops
+    (train._StopRequest), instead of killing the workers first and the run with them. The loader stops its
+    workers itself; on Linux a worker is also killed when its trainer dies (a signal to the old group, SIGKILL
+    included, no longer reaches it), not a few seconds later by the loader's watchdog."""
     os.setpgid(0, 0)
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass  # the watchdog remains

@@ -378,10 +378,37 @@ def load_hf_model(folder: str, dtype: torch.dtype = torch.float32, device="cpu")
     return model_from_state(args, state, dtype, device, source=folder)
 
 
-def output_problem(output: str, overwrite: bool, *, marker: str, what: str) -> str | None:
-    """Why ``output`` may not be written, or None. A missing or empty folder may be; an existing one only with
-    ``overwrite``, and only when it holds ``marker`` at its top (what this tool writes): --overwrite replaces
-    an earlier result, never a folder of other things (a training run, a folder of models)."""
+def _only_an_export(folder: str, entries: list[str]) -> bool:
+    """Every entry is a file an export writes: config and tokenizer JSONs, weights, our remote code, tokenizer
+    files of other kinds."""
+    from hybridtitan.hf.configuration import REMOTE_CODE
+
+    def ours(name: str) -> bool:
+        return (name.endswith((".json", ".safetensors", ".jinja")) or name in REMOTE_CODE
+                or name in ("merges.txt", "vocab.txt", "tokenizer.model"))
+
+    return all(os.path.isfile(os.path.join(folder, n)) and ours(n) for n in entries)
+
+
+def _only_an_import(folder: str, entries: list[str]) -> bool:
+    """A model-only DCP step folder (what an import writes), with at most its tokenizer beside: not a training
+    checkpoint (its optimizer and data position would be lost) nor a folder of step folders."""
+    from hybridtitan.checkpoint import is_model_only
+
+    subfolders = [n for n in entries if os.path.isdir(os.path.join(folder, n))]
+    return ".metadata" in entries and subfolders in ([], ["tokenizer"]) and is_model_only(folder)
+
+
+OVERWRITABLE = {
+    "export": (_only_an_export, "an earlier export (only the files an export writes)"),
+    "import": (_only_an_import, "an earlier import (a model-only step folder)"),
+}
+
+
+def output_problem(output: str, overwrite: bool, kind: str) -> str | None:
+    """Why ``output`` may not be written by ``kind`` ("export" or "import"), or None. A missing or empty folder
+    may be; an existing one only with ``overwrite``, and only when it holds nothing but what that tool writes:
+    --overwrite replaces an earlier result, never a folder of other things (a training run, a project)."""
     if not os.path.exists(output):
         return None
     if not os.path.isdir(output):
@@ -391,10 +418,11 @@ def output_problem(output: str, overwrite: bool, *, marker: str, what: str) -> s
         return None
     if not overwrite:
         return f"output folder exists: {output} (pass --overwrite to replace it)"
-    if marker not in entries:
+    only_ours, what = OVERWRITABLE[kind]
+    if not only_ours(output, entries):
         shown = ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else "")
-        return (f"--overwrite replaces only {what} (a folder with {marker}) or an empty folder: {output} holds "
-                f"{shown}; choose another folder")
+        return (f"--overwrite replaces only {what} or an empty folder: {output} holds {shown}; choose another "
+                "folder")
     return None
 
 

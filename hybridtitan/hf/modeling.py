@@ -175,8 +175,10 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
             cache = past_key_values
         if use_cache is None:
             # by default an eval forward returns a cache to decode on, except for a padded batch (scoring,
-            # evaluation), which it cannot hold: such a forward is right without one (_check_mask)
-            use_cache = self.config.use_cache and not self.training and not _padded(attention_mask)
+            # evaluation), which it cannot hold: such a forward is right without one. A cache passed in is used
+            # (and a padded mask with it refused: _check_mask), never dropped.
+            use_cache = self.config.use_cache and not self.training and (cache is not None
+                                                                         or not _padded(attention_mask))
         if cache is not None and not isinstance(cache, HybridCache):
             raise TypeError(f"HybridTitanForCausalLM needs a HybridCache, got {type(cache).__name__}")
         if use_cache and cache is None:
