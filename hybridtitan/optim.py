@@ -152,4 +152,3 @@ def apply_schedule(schedulers) -> None:
     for scheduler in schedulers.schedulers:
         for group, base_lr, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
             group["lr"] = base_lr * factor(scheduler.last_epoch)
-

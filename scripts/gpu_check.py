@@ -20,9 +20,10 @@ fla  pure GDN / KDA models against FLA's GatedDeltaNetForCausalLM / KDAForCausal
      logits on the GPU within 1e-2, dense and packed, in float32 and in bf16. In bf16 two kernels that round
      in another order can differ by more while each is as far from the truth (KDA in our chunks of 32 against
      FLA's 64, at the 300M shapes): a bf16 case also passes when our logits are no further (x1.1) from the
-     float32 CPU reference than FLA's and the two differ by less than 3x the bar. Weights go through hybridtitan's exporter (python -m
-     hybridtitan.export_hf) when it exists, checked tensor by tensor against this script's own name mapping,
-     which is used otherwise (and alone in float32: the exporter writes bf16 weights).
+     float32 CPU reference than FLA's and the two differ by less than 3x the bar. Weights go through
+     hybridtitan's exporter (python -m hybridtitan.export_hf) when it exists, checked tensor by tensor against
+     this script's own name mapping, which is used otherwise (and alone in float32: the exporter writes bf16
+     weights).
 
 On a CPU (--device cpu) the "fast" side is the reference in bf16 (no FLA kernels run there), and FLA's HF
 models are built, loaded and compared weight by weight but not run. Every case prints PASS, FAIL (with the
