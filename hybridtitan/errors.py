@@ -21,4 +21,3 @@ def first_error_line(e: BaseException, with_type: bool = False) -> str:
 
 class DataError(ValueError):
     """Training data found unusable while it is read (after the start-up checks): a shard of empty documents."""
-

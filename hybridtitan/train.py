@@ -139,10 +139,18 @@ def preflight(cfg) -> Plan:
 
 
 def _check_checkpoints(cfg, args) -> None:
-    """The checkpoint a run would start from exists and holds this model; a rewind would not be undone later."""
+    """The checkpoint a run would start from exists, holds this model and fits this run's data loader; a rewind
+    would not be undone later."""
     folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
     steps = complete_steps(folder)
-    start = None
+    if (cfg.checkpoint.enable and not steps and not cfg.checkpoint.initial_load_path
+            and os.path.isfile(os.path.join(folder, ".metadata"))):
+        # e.g. python -m hybridtitan.import_hf --output DUMP/checkpoint: training from scratch beside it would
+        # look like a resume that silently lost its weights
+        raise ConfigError(f"{folder} holds a checkpoint itself, not in a step-N folder: move it to "
+                          f"{os.path.join(folder, 'step-0')} to start from its weights (or name it in "
+                          "checkpoint.initial_load_path)")
+    start, model_only = None, False
     if cfg.checkpoint.enable and cfg.checkpoint.load_step > 0:
         try:
             start = resolve_checkpoint(folder, cfg.checkpoint.load_step)
@@ -154,7 +162,7 @@ def _check_checkpoints(cfg, args) -> None:
                               f"{', '.join(map(str, newer))} in {folder}: move those folders away first (the next "
                               "resume would return to them, and keep_latest_k would delete the new ones)")
     elif cfg.checkpoint.enable and steps:
-        start = os.path.join(folder, f"step-{steps[-1]}")
+        start, model_only = os.path.join(folder, f"step-{steps[-1]}"), steps[-1] == 0
         # step 0 is a model-only starting point on purpose (import_hf); a later model-only step ends a run: taking
         # it as the resume point would restart at step 0 below the older full checkpoints, and keep_latest_k would
         # then delete the new ones
@@ -167,6 +175,7 @@ def _check_checkpoints(cfg, args) -> None:
             start = resolve_checkpoint(cfg.checkpoint.initial_load_path)
         except ValueError as e:
             raise ConfigError(f"checkpoint.initial_load_path: {e}") from None
+        model_only = cfg.checkpoint.initial_load_model_only
     if cfg.checkpoint.enable and steps and steps[-1] > 0 and "train_state" in cfg.checkpoint.exclude_from_loading:
         raise ConfigError(f"checkpoint.exclude_from_loading: train_state restarts the step count at 0 in {folder}, "
                           f"which holds step {steps[-1]}: the new checkpoints would sit below it (the next resume "
@@ -181,6 +190,20 @@ def _check_checkpoints(cfg, args) -> None:
             diff = [f.name for f in dataclasses.fields(args) if getattr(saved, f.name) != getattr(args, f.name)]
             raise ConfigError(f"{start} holds a different model than the recipe (differs in: model."
                               f"{', model.'.join(diff)}); use another job.dump_folder or the checkpoint's model")
+        if not model_only and "dataloader" not in cfg.checkpoint.exclude_from_loading and not is_model_only(start):
+            _check_the_loaders_workers(cfg, start)
+
+
+def _check_the_loaders_workers(cfg, start: str) -> None:
+    """A loader's state holds one position per worker: it loads only into the same data.num_workers. Said before
+    loading, since DCP and the loader refuse others in ways that name neither (a bare assertion, for one)."""
+    try:
+        saved = read_job_config(start)["data"]["num_workers"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no job config to compare with (written by other tools): the load itself decides
+    if saved != cfg.data.num_workers:
+        raise ConfigError(f"cannot resume from {start}: {_OTHER_WORKERS}: the checkpoint's data.num_workers is "
+                          f"{saved}, this run's {cfg.data.num_workers}")
 
 
 def _remove_quietly(path: str) -> None:
@@ -350,13 +373,6 @@ _OTHER_WORKERS = ("its data loader state does not fit this run's loader: it need
 
 def _resume(cfg, ckpt: CheckpointManager, state: TrainState) -> None:
     latest = ckpt.latest_step() if cfg.checkpoint.enable else None
-    if (cfg.checkpoint.enable and latest is None and not cfg.checkpoint.initial_load_path
-            and os.path.isfile(os.path.join(ckpt.folder, ".metadata"))):
-        # e.g. python -m hybridtitan.import_hf --output DUMP/checkpoint: training from scratch beside it would
-        # look like a resume that silently lost its weights
-        raise ValueError(f"{ckpt.folder} holds a checkpoint itself, not in a step-N folder: move it to "
-                         f"{os.path.join(ckpt.folder, 'step-0')} to start from its weights (or name it in "
-                         "checkpoint.initial_load_path)")
     step_dir, model_only = None, False
     if cfg.checkpoint.enable and cfg.checkpoint.load_step > 0:
         step_dir = resolve_checkpoint(ckpt.folder, cfg.checkpoint.load_step)
@@ -371,26 +387,12 @@ def _resume(cfg, ckpt: CheckpointManager, state: TrainState) -> None:
         said = f"initialised from {step_dir}" + (" (model only)" if model_only else "")
     if step_dir is None:
         return _warn_about_resumed_values(cfg, ckpt, state)
-    if not model_only and "dataloader" not in cfg.checkpoint.exclude_from_loading and not is_model_only(step_dir):
-        _check_the_loaders_workers(cfg, step_dir)
     ckpt.load(step_dir, model_only=model_only)
     logger.info(said + ("" if model_only else f" (step {state.step})"))
     if state.step > 0 and "lr_scheduler" not in cfg.checkpoint.exclude_from_loading:
         _keep_the_checkpoints_schedule(cfg, ckpt, step_dir)
     apply_schedule(ckpt.lr_scheduler)  # the rates of the schedule in force, whichever parts were loaded
     _warn_about_resumed_values(cfg, ckpt, state)
-
-
-def _check_the_loaders_workers(cfg, step_dir: str) -> None:
-    """A loader's state holds one position per worker: it loads only into the same data.num_workers. Said before
-    loading, since DCP and the loader refuse others in ways that name neither (a bare assertion, for one)."""
-    try:
-        saved = read_job_config(step_dir)["data"]["num_workers"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # no job config to compare with (written by other tools): the load itself decides
-    if saved != cfg.data.num_workers:
-        raise ValueError(f"{_OTHER_WORKERS}: the checkpoint's data.num_workers is {saved}, this run's "
-                         f"{cfg.data.num_workers}")
 
 
 _NEW_SCHEDULE = '(checkpoint.exclude_from_loading = ["lr_scheduler"] starts a new one)'
