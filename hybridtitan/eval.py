@@ -226,7 +226,6 @@ def load_for_eval(checkpoint: str, *, step: int | None = None, device: str = "cp
     import torch
 
     from hybridtitan.checkpoint import load_model_args, resolve_checkpoint
-    from hybridtitan.data.tokenizer import vocab_mismatch
     from hybridtitan.hf.convert import (
         ConversionError,
         checkpoint_tokenizer,
@@ -237,24 +236,17 @@ def load_for_eval(checkpoint: str, *, step: int | None = None, device: str = "cp
         read_dcp_model_state,
     )
 
-    def checked_tokenizer(path: str, vocab_size: int):
-        tok = load_tokenizer(path)
-        problem = vocab_mismatch(tok, vocab_size)  # ids past the embedding would fail mid-evaluation
-        if problem:
-            raise ConversionError(f"{problem} ({path})")
-        return tok
-
     torch_dtype = getattr(torch, dtype)
     if os.path.isdir(checkpoint) and is_hf_folder(checkpoint):
         model = load_hf_model(checkpoint, torch_dtype, device)
         tok_path, source = tokenizer or checkpoint, f"HF folder {checkpoint}"
-        return model, checked_tokenizer(tok_path, model.args.vocab_size), source
+        return model, load_tokenizer(tok_path, model.args.vocab_size), source
     step_dir = resolve_checkpoint(checkpoint, step)
     args = load_model_args(step_dir)
     tok_path = tokenizer or checkpoint_tokenizer(step_dir)
     if not tok_path:
         raise ConversionError(f"{step_dir} names no tokenizer (no job_config.json); pass --tokenizer")
-    tok = checked_tokenizer(tok_path, args.vocab_size)  # before the weights are read
+    tok = load_tokenizer(tok_path, args.vocab_size)  # before the weights are read
     model = model_from_state(args, read_dcp_model_state(step_dir, args), torch_dtype, device, source=step_dir)
     return model, tok, f"DCP checkpoint {step_dir}"
 

@@ -45,7 +45,6 @@ def export(checkpoint: str, output: str, *, step: int | None = None, dtype: str 
     import torch
 
     from hybridtitan.checkpoint import load_model_args, resolve_checkpoint
-    from hybridtitan.data.tokenizer import vocab_mismatch
     from hybridtitan.hf.convert import (
         DEFAULT_MAX_SHARD_SIZE,
         ConversionError,
@@ -78,10 +77,7 @@ def export(checkpoint: str, output: str, *, step: int | None = None, dtype: str 
     tok_path = tokenizer or checkpoint_tokenizer(step_dir)
     if not tok_path:
         raise ConversionError(f"{step_dir} names no tokenizer (no job_config.json); pass --tokenizer")
-    tok = load_tokenizer(tok_path)
-    problem = vocab_mismatch(tok, args.vocab_size)
-    if problem:
-        raise ConversionError(f"{problem} ({tok_path})")
+    tok = load_tokenizer(tok_path, args.vocab_size)
     state = read_dcp_model_state(step_dir, args)
 
     torch_dtype = getattr(torch, dtype)

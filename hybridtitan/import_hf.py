@@ -30,7 +30,6 @@ def import_hf(model: str, output: str, *, tokenizer: str | None = None, overwrit
     """Writes the DCP step folder ``output`` from a Hugging Face folder; returns the model_type read.
     Raises ConversionError (one line) on bad input, before writing anything."""
     from hybridtitan.checkpoint import save_model_checkpoint
-    from hybridtitan.data.tokenizer import vocab_mismatch
     from hybridtitan.hf.convert import (
         ConversionError,
         load_tokenizer,
@@ -48,10 +47,7 @@ def import_hf(model: str, output: str, *, tokenizer: str | None = None, overwrit
     net = model_from_state(args, state, source=model)
     del state
     tok_path = tokenizer or (model if _has_tokenizer(model) else None)
-    tok = load_tokenizer(tok_path) if tok_path else None
-    problem = tok is not None and vocab_mismatch(tok, args.vocab_size)
-    if problem:
-        raise ConversionError(f"{problem} ({tok_path})")
+    tok = load_tokenizer(tok_path, args.vocab_size) if tok_path else None
 
     parent = os.path.dirname(os.path.abspath(output))
     os.makedirs(parent, exist_ok=True)

@@ -356,20 +356,26 @@ def checkpoint_tokenizer(step_dir: str) -> str | None:
     return inside if os.path.isdir(inside) else None
 
 
-def load_tokenizer(path: str):
-    """A tokenizer from a folder or hub name; ConversionError in one line if nothing loads."""
+def load_tokenizer(path: str, vocab_size: int | None = None):
+    """A tokenizer from a folder or hub name; ConversionError in one line if nothing loads, or if it has ids past
+    ``vocab_size`` (the model's embedding would fail on them far from the cause)."""
     from transformers.utils import logging as hf_logging
 
     from hybridtitan.data import build_tokenizer
+    from hybridtitan.data.tokenizer import vocab_mismatch
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # a model folder's config.json of an unregistered model_type is no concern here
     try:
-        return build_tokenizer(path)
+        tok = build_tokenizer(path)
     except ValueError as e:
         raise ConversionError(first_error_line(e).replace("data.tokenizer: ", "tokenizer: ", 1)) from None
     finally:
         hf_logging.set_verbosity(verbosity)
+    problem = vocab_size is not None and vocab_mismatch(tok, vocab_size)
+    if problem:
+        raise ConversionError(f"{problem} ({path})")
+    return tok
 
 
 def load_hf_model(folder: str, dtype: torch.dtype = torch.float32, device="cpu") -> HybridLM:
