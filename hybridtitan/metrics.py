@@ -78,8 +78,9 @@ class MetricsLogger:
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-            self.tb = SummaryWriter(os.path.join(dump_folder, tb_folder, stamp))
+            # one folder per run, as metrics.jsonl: a resumed run's events hide those of the steps it trains
+            # again (TensorBoard purges events from purge_step on), so each step shows once, on one curve
+            self.tb = SummaryWriter(os.path.join(dump_folder, tb_folder), purge_step=start_step + 1)
         if enable_wandb:
             try:
                 import wandb

@@ -129,6 +129,32 @@ def test_own_layout_logits_and_generate(flavor, trained, exports):
     assert torch.equal(with_cache, seq)
 
 
+def test_output_hidden_states(exports):
+    """output_hidden_states, as transformers' models give it: the embeddings' output, the residual stream entering
+    each later sublayer, and the final-normed states. Entry k is checked against the first k sublayers alone."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(exports["debug_hybrid", "hybridtitan"]),
+                                              trust_remote_code=True).eval()
+    n, x = hf.config.num_hidden_layers, tokens((2, 20))
+    with torch.no_grad():
+        out = hf(x, output_hidden_states=True)
+        states = out.hidden_states
+        assert len(states) == n + 1 and all(s.shape == (2, 20, hf.config.hidden_size) for s in states)
+        torch.testing.assert_close(states[0], hf.model.embeddings(x))
+        torch.testing.assert_close(states[-1] @ hf.model.output_weight.t(), out.logits, atol=1e-5, rtol=0)
+        for k in range(1, n):
+            first_k = copy.deepcopy(hf.model)
+            first_k.layers = first_k.layers[:k]
+            torch.testing.assert_close(hf.model.norm(states[k]), first_k.hidden_states(x), atol=1e-5, rtol=1e-5)
+        assert hf(x).hidden_states is None
+        as_tuple = hf(x, output_hidden_states=True, use_cache=False, return_dict=False)
+        assert len(as_tuple) == 2 and torch.equal(as_tuple[0], out.logits)
+        assert all(torch.equal(a, b) for a, b in zip(as_tuple[1], states, strict=True))
+
+
 RESAVE = """
 import sys, torch
 from transformers import AutoModelForCausalLM

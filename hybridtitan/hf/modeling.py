@@ -167,6 +167,7 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         inputs_embeds: torch.Tensor | None = None,
         past_key_values: HybridCache | None = None,
+        output_hidden_states: bool | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast | tuple:
         if input_ids is None:
@@ -187,7 +188,12 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
             cache = None
         _check_mask(attention_mask, with_cache=cache is not None)
 
-        h = self.model.hidden_states(input_ids, cache=cache.inner if cache is not None else None)
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        # as transformers' models: the embeddings' output, each sublayer's input after it, the final-normed states
+        collected = [] if output_hidden_states else None
+        h = self.model.hidden_states(input_ids, cache=cache.inner if cache is not None else None, collect=collected)
+        all_hidden = tuple(collected) if collected is not None else None
         if cache is not None:
             cache.seen_tokens += input_ids.shape[1]
         if labels is None and isinstance(logits_to_keep, int) and logits_to_keep > 0:
@@ -200,9 +206,9 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                    labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100)
         if return_dict is False:
-            out = (logits, cache) if cache is not None else (logits,)
+            out = (logits, *(x for x in (cache, all_hidden) if x is not None))
             return (loss, *out) if loss is not None else out
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache, hidden_states=all_hidden)
 
 
 def _padded(attention_mask: torch.Tensor | None) -> bool:

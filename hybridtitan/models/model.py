@@ -91,9 +91,11 @@ class HybridLM(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.embeddings.weight if self.lm_head is None else self.lm_head.weight
 
-    def hidden_states(self, input_ids: torch.Tensor, cu_seqlens=None, cache: InferenceCache | None = None):
+    def hidden_states(self, input_ids: torch.Tensor, cu_seqlens=None, cache: InferenceCache | None = None,
+                      collect: list | None = None):
         """Final-normed hidden states [B, T, D]. With ``cu_seqlens`` (boundaries over the B * T tokens, rows
-        included), documents are isolated: no state or attention crosses a boundary."""
+        included), documents are isolated: no state or attention crosses a boundary. A ``collect`` list receives
+        the residual stream entering each layer, then the final-normed states (transformers' hidden_states)."""
         B, T = input_ids.shape
         h, delta = self.embeddings(input_ids), None
         rows = 1
@@ -104,10 +106,14 @@ class HybridLM(nn.Module):
         for i, layer in enumerate(self.layers):
             if delta is not None and not layer.fuse_residual_add:
                 h, delta = h + delta, None
+            if collect is not None:
+                collect.append((h if delta is None else h + delta).view(B, T, -1))
             stream, delta = layer(h, delta, cu_seqlens=cu_seqlens,
                                   cache=cache.layer(i) if cache is not None else None, rows=rows)
             h = h if stream is None else stream
         out = self.norm(h) if delta is None else self.norm(h, residual=delta)[0]
+        if collect is not None:
+            collect.append(out.view(B, T, -1))
         return out.view(B, T, -1)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, cu_seqlens=None,
