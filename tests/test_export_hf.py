@@ -222,6 +222,17 @@ def test_cache_is_a_transformers_cache(exports):
         cache = hf(x[:, :4]).cache
     with pytest.raises(ValueError, match="padded"):  # a cache passed in is used, never dropped
         hf(x[:, 4:], past_key_values=cache, attention_mask=mask)
+    # ... also with use_cache=False, in training mode, or with the config's use_cache off: it is used and advanced
+    full = hf(x).logits
+    for mode, kwargs in (("eval", {"use_cache": False}), ("train", {}), ("eval", {"config_off": True})):
+        hf.train(mode == "train")
+        hf.config.use_cache = not kwargs.pop("config_off", False)
+        with torch.no_grad():
+            cache = hf(x[:, :3], use_cache=True).cache
+            rest = hf(x[:, 3:], past_key_values=cache, **kwargs).logits
+        assert cache.get_seq_length() == 7, (mode, kwargs)
+        torch.testing.assert_close(rest, full[:, 3:], atol=1e-4, rtol=1e-4)
+    hf.config.use_cache = True
 
 
 def test_resized_embeddings_save_and_load_again(exports, tmp_path):
@@ -234,6 +245,103 @@ def test_resized_embeddings_save_and_load_again(exports, tmp_path):
     assert again.config.vocab_size == again.config.to_model_args().vocab_size == 8200
     assert again.get_input_embeddings().weight.shape[0] == 8200
     torch.testing.assert_close(again.get_input_embeddings().weight, hf.get_input_embeddings().weight)
+
+
+def test_untied_embeddings_resize(tmp_path):
+    """An untied model (--model.tie_embeddings false, or an import of an untied FLA model) resizes both tables."""
+    import dataclasses
+
+    from hybridtitan.hf import HybridTitanConfig, HybridTitanForCausalLM
+    from hybridtitan.models import get_flavor
+
+    torch.manual_seed(0)
+    config = HybridTitanConfig.from_model_args(dataclasses.replace(get_flavor("debug_hybrid"), tie_embeddings=False))
+    hf = HybridTitanForCausalLM(config).eval()
+    x = tokens((1, 12))
+    with torch.no_grad():
+        before = hf(x).logits
+    hf.resize_token_embeddings(8200)
+    assert hf.get_output_embeddings().weight.shape == (8200, config.hidden_size)
+    assert hf.get_output_embeddings() is hf.model.lm_head and hf.model.lm_head.weight is not hf.model.embeddings.weight
+    hf.save_pretrained(tmp_path / "resized")
+    again = HybridTitanForCausalLM.from_pretrained(str(tmp_path / "resized")).eval()
+    with torch.no_grad():
+        after = again(x).logits
+    assert after.shape[-1] == 8200
+    torch.testing.assert_close(after[..., :before.shape[-1]], before, atol=1e-5, rtol=0)
+
+
+def test_loss_over_accumulated_micro_batches_and_return_dict(exports):
+    """transformers' Trainer with gradient accumulation passes num_items_in_batch (the counted labels of the whole
+    step) and does not scale the loss: the micro-batches' losses and gradients add up to the whole batch's."""
+    from transformers import AutoModelForCausalLM
+
+    folder = str(exports["debug_hybrid", "hybridtitan"])
+    hf = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).train()
+    x = tokens((4, 16))
+    labels = x.clone()
+    labels[0, 5:] = -100  # rows with different counts: a mean per micro-batch would weigh them wrongly
+    hf(x, labels=labels).loss.backward()
+    whole = {n: p.grad.clone() for n, p in hf.named_parameters()}
+    whole_loss = hf(x, labels=labels).loss.detach()
+    hf.zero_grad()
+    count = (labels[:, 1:] != -100).sum()
+    total = 0.0
+    for rows in (slice(0, 1), slice(1, 4)):
+        loss = hf(x[rows], labels=labels[rows], num_items_in_batch=count).loss
+        loss.backward()
+        total += loss.detach()
+    torch.testing.assert_close(total, whole_loss, atol=1e-5, rtol=1e-5)
+    for n, p in hf.named_parameters():
+        torch.testing.assert_close(p.grad, whole[n], atol=1e-5, rtol=1e-4)
+
+    as_tuple = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, return_dict=False).eval()
+    with torch.no_grad():
+        out = as_tuple(x, labels=labels, use_cache=False)
+    assert isinstance(out, tuple) and len(out) == 2 and out[1].shape == (4, 16, hf.config.vocab_size)
+
+
+def test_gradient_checkpointing(exports, tmp_path):
+    """gradient_checkpointing_enable (as transformers' Trainer calls it): every sublayer recomputed, the same loss
+    and gradients, the same weight names saved; disable restores the plain layers."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from hybridtitan.hf import HybridTitanForCausalLM
+
+    hf = HybridTitanForCausalLM.from_pretrained(str(exports["debug_hybrid", "hybridtitan"])).train()
+    x = tokens((2, 16))
+
+    def loss_and_grads():
+        hf.zero_grad()
+        loss = hf(x, labels=x).loss
+        loss.backward()
+        # named_parameters (unlike state_dict) names the checkpoint wrapper's child too
+        return loss.detach(), {n.replace("_checkpoint_wrapped_module.", ""): p.grad.clone()
+                               for n, p in hf.named_parameters()}
+
+    plain_loss, plain = loss_and_grads()
+    names = list(hf.state_dict())
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert hf.is_gradient_checkpointing
+    assert all(isinstance(layer, CheckpointWrapper) for layer in hf.model.layers)
+    recomputed = []
+    # a pre-hook: the recomputation stops as soon as it has what the backward needs, before a forward hook
+    hooks = [layer._checkpoint_wrapped_module.register_forward_pre_hook(lambda *a: recomputed.append(1))
+             for layer in hf.model.layers]
+    loss, grads = loss_and_grads()
+    assert len(recomputed) == 2 * len(hf.model.layers)  # each sublayer ran again in the backward pass
+    for h in hooks:
+        h.remove()
+    torch.testing.assert_close(loss, plain_loss, atol=1e-6, rtol=1e-6)
+    assert set(grads) == set(plain)
+    for n in plain:
+        torch.testing.assert_close(grads[n], plain[n], atol=1e-6, rtol=1e-5)
+    assert list(hf.state_dict()) == names
+    hf.save_pretrained(tmp_path / "saved")
+    assert list(HybridTitanForCausalLM.from_pretrained(str(tmp_path / "saved")).state_dict()) == names
+    hf.gradient_checkpointing_disable()
+    assert not hf.is_gradient_checkpointing and not any(isinstance(m, CheckpointWrapper) for m in hf.modules())
+    assert all(layer.fuse_residual_add for layer in hf.model.layers)
 
 
 # ------------------------------------------------------------------------------------------ FLA's layouts

@@ -8,6 +8,8 @@ new token costs one step instead of a pass over the prefix.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -19,6 +21,9 @@ from hybridtitan.models import HybridLM, InferenceCache
 from hybridtitan.models.model import init_module
 
 from .configuration import HybridTitanConfig, without_auto_class
+
+# transformers 5.24 renamed the output's past_key_values to cache; pyproject admits the releases before it too
+_CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
 
 
 class HybridCache(Cache):
@@ -117,7 +122,7 @@ class HybridTitanPreTrainedModel(PreTrainedModel):
     main_input_name = "input_ids"
     _no_split_modules = ["Sublayer"]
     _is_stateful = True  # recurrent state: no assisted decoding, no cache cropping
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True  # gradient_checkpointing_enable below: every sublayer recomputed
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """As transformers', without copying this package's modules into the folder after a trust_remote_code
@@ -156,6 +161,30 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
     def get_output_embeddings(self):
         return self.model.lm_head
 
+    def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
+        self.model.lm_head = new_embeddings  # untied models only: a tied one has none (get_output_embeddings)
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        """Each sublayer recomputed in the backward pass, as the trainer's ``activation_checkpoint.mode = "full"``
+        (torch's non-reentrant checkpoint; ``gradient_checkpointing_kwargs`` are not used)."""
+        from hybridtitan.parallel import apply_activation_checkpointing
+
+        if not self.is_gradient_checkpointing:
+            apply_activation_checkpointing(self.model, "full")
+        self.gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        for i, layer in enumerate(self.model.layers):
+            inner = getattr(layer, "_checkpoint_wrapped_module", None)
+            if inner is not None:
+                inner.fuse_residual_add = True
+                self.model.layers[i] = inner
+        self.gradient_checkpointing = False
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return getattr(self, "gradient_checkpointing", False)
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -182,10 +211,10 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
                                                                          or not _padded(attention_mask))
         if cache is not None and not isinstance(cache, HybridCache):
             raise TypeError(f"HybridTitanForCausalLM needs a HybridCache, got {type(cache).__name__}")
+        # a cache passed in is always used and updated, as transformers' models do; use_cache only says whether
+        # a new one is made
         if use_cache and cache is None:
             cache = HybridCache(len(self.model.layers))
-        if not use_cache:
-            cache = None
         _check_mask(attention_mask, with_cache=cache is not None)
 
         if output_hidden_states is None:
@@ -203,12 +232,21 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
         logits = (h @ self.model.output_weight.t()).float()
         loss = None
         if labels is not None:
+            # transformers' Trainer passes num_items_in_batch, the counted labels of all of a step's accumulated
+            # micro-batches, and then leaves the loss unscaled: the sum over that count keeps the step's loss and
+            # gradients the same for any number of micro-batches
+            num_items = kwargs.get("num_items_in_batch")
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                   labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100)
+                                   labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100,
+                                   reduction="mean" if num_items is None else "sum")
+            if num_items is not None:
+                loss = loss / torch.as_tensor(num_items, device=loss.device)
+        if return_dict is None:
+            return_dict = self.config.return_dict
         if return_dict is False:
             out = (logits, *(x for x in (cache, all_hidden) if x is not None))
             return (loss, *out) if loss is not None else out
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache, hidden_states=all_hidden)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=all_hidden, **{_CACHE_FIELD: cache})
 
 
 def _padded(attention_mask: torch.Tensor | None) -> bool:
