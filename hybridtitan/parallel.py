@@ -50,8 +50,9 @@ def build_mesh(dp: DataParallel, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (dp.shard,), mesh_dim_names=("dp_shard",))
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1) -> None:
-    """'full': recompute every sublayer in the backward; 'selective': every ``every``-th sublayer."""
+def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1, checkpoint_fn=None) -> None:
+    """'full': recompute every sublayer in the backward; 'selective': every ``every``-th sublayer. ``checkpoint_fn``
+    (a torch.utils.checkpoint.checkpoint with its arguments bound) replaces the non-reentrant default."""
     if mode == "none":
         return
     step = 1 if mode == "full" else every
@@ -59,8 +60,18 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1) 
         if i % step == 0:
             # its saved input is then the stream alone, not the stream and the previous output (Sublayer)
             layer.fuse_residual_add = False
-            model.layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                                 preserve_rng_state=False)
+            model.layers[i] = (checkpoint_wrapper(layer, checkpoint_fn=checkpoint_fn) if checkpoint_fn is not None
+                               else checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                                       preserve_rng_state=False))
+
+
+def remove_activation_checkpointing(model: nn.Module) -> None:
+    """The plain sublayers again, where apply_activation_checkpointing wrapped them."""
+    for i, layer in enumerate(model.layers):
+        inner = getattr(layer, "_checkpoint_wrapped_module", None)
+        if inner is not None:
+            inner.fuse_residual_add = True
+            model.layers[i] = inner
 
 
 def apply_compile(model: nn.Module) -> None:

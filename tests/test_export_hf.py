@@ -302,13 +302,17 @@ def test_loss_over_accumulated_micro_batches_and_return_dict(exports):
 
 
 def test_gradient_checkpointing(exports, tmp_path):
-    """gradient_checkpointing_enable (as transformers' Trainer calls it): every sublayer recomputed, the same loss
-    and gradients, the same weight names saved; disable restores the plain layers."""
+    """Activation checkpointing switched on as transformers' Trainer does it: the sublayers recomputed, the same loss
+    and gradients, the same weight names saved; switched off, the plain sublayers again."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     from hybridtitan.hf import HybridTitanForCausalLM
 
     hf = HybridTitanForCausalLM.from_pretrained(str(exports["debug_hybrid", "hybridtitan"])).train()
+    # transformers 5.24 renamed gradient_checkpointing_enable (kept as a deprecated alias) and added every_n_layers
+    renamed = hasattr(hf, "activation_checkpointing_enable")
+    enable = hf.activation_checkpointing_enable if renamed else hf.gradient_checkpointing_enable
+    disable = hf.activation_checkpointing_disable if renamed else hf.gradient_checkpointing_disable
     x = tokens((2, 16))
 
     def loss_and_grads():
@@ -321,9 +325,8 @@ def test_gradient_checkpointing(exports, tmp_path):
 
     plain_loss, plain = loss_and_grads()
     names = list(hf.state_dict())
-    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    assert hf.is_gradient_checkpointing
-    assert all(isinstance(layer, CheckpointWrapper) for layer in hf.model.layers)
+    enable()
+    assert hf.gradient_checkpointing and all(isinstance(layer, CheckpointWrapper) for layer in hf.model.layers)
     recomputed = []
     # a pre-hook: the recomputation stops as soon as it has what the backward needs, before a forward hook
     hooks = [layer._checkpoint_wrapped_module.register_forward_pre_hook(lambda *a: recomputed.append(1))
@@ -339,9 +342,16 @@ def test_gradient_checkpointing(exports, tmp_path):
     assert list(hf.state_dict()) == names
     hf.save_pretrained(tmp_path / "saved")
     assert list(HybridTitanForCausalLM.from_pretrained(str(tmp_path / "saved")).state_dict()) == names
-    hf.gradient_checkpointing_disable()
-    assert not hf.is_gradient_checkpointing and not any(isinstance(m, CheckpointWrapper) for m in hf.modules())
+    disable()
+    assert not hf.gradient_checkpointing and not any(isinstance(m, CheckpointWrapper) for m in hf.modules())
     assert all(layer.fuse_residual_add for layer in hf.model.layers)
+    if renamed:
+        enable(every_n_layers=2)
+        assert [isinstance(layer, CheckpointWrapper) for layer in hf.model.layers] == [True, False] * 4
+        torch.testing.assert_close(loss_and_grads()[0], plain_loss, atol=1e-6, rtol=1e-6)
+        disable()
+    with pytest.raises(ValueError, match="use_reentrant=False"):
+        enable({"use_reentrant": True})
 
 
 # ------------------------------------------------------------------------------------------ FLA's layouts

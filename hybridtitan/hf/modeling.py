@@ -122,7 +122,7 @@ class HybridTitanPreTrainedModel(PreTrainedModel):
     main_input_name = "input_ids"
     _no_split_modules = ["Sublayer"]
     _is_stateful = True  # recurrent state: no assisted decoding, no cache cropping
-    supports_gradient_checkpointing = True  # gradient_checkpointing_enable below: every sublayer recomputed
+    supports_gradient_checkpointing = True  # HybridTitanForCausalLM._set_gradient_checkpointing
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """As transformers', without copying this package's modules into the folder after a trust_remote_code
@@ -164,26 +164,21 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings: nn.Module) -> None:
         self.model.lm_head = new_embeddings  # untied models only: a tied one has none (get_output_embeddings)
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
-        """Each sublayer recomputed in the backward pass, as the trainer's ``activation_checkpoint.mode = "full"``
-        (torch's non-reentrant checkpoint; ``gradient_checkpointing_kwargs`` are not used)."""
-        from hybridtitan.parallel import apply_activation_checkpointing
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None,
+                                    every_n_layers: int = 1, **kwargs) -> None:
+        """Where transformers' gradient_checkpointing_enable / activation_checkpointing_enable (and their disable)
+        end: every ``every_n_layers``-th sublayer (attention, mixer or MLP) recomputed in the backward pass with
+        ``gradient_checkpointing_func``, as the trainer's activation_checkpoint modes; or the plain sublayers again."""
+        from hybridtitan.parallel import apply_activation_checkpointing, remove_activation_checkpointing
 
-        if not self.is_gradient_checkpointing:
-            apply_activation_checkpointing(self.model, "full")
-        self.gradient_checkpointing = True
-
-    def gradient_checkpointing_disable(self) -> None:
-        for i, layer in enumerate(self.model.layers):
-            inner = getattr(layer, "_checkpoint_wrapped_module", None)
-            if inner is not None:
-                inner.fuse_residual_add = True
-                self.model.layers[i] = inner
-        self.gradient_checkpointing = False
-
-    @property
-    def is_gradient_checkpointing(self) -> bool:
-        return getattr(self, "gradient_checkpointing", False)
+        if enable and getattr(gradient_checkpointing_func, "keywords", {}).get("use_reentrant"):
+            raise ValueError("HybridTitanForCausalLM checkpoints with use_reentrant=False only (its sublayers take "
+                             "keyword arguments)")
+        remove_activation_checkpointing(self.model)
+        if enable:
+            apply_activation_checkpointing(self.model, "full" if every_n_layers <= 1 else "selective",
+                                           every_n_layers, checkpoint_fn=gradient_checkpointing_func)
+        self.gradient_checkpointing = enable  # what transformers' is_gradient_checkpointing looks for
 
     def forward(
         self,
