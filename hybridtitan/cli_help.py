@@ -31,6 +31,12 @@ OVERRIDES = {
                                              "(master weights stay float32). CPUs always compute in float32"),
     "training.mixed_precision_reduce": (None, "The dtype of FSDP2's gradient reductions"),
     "optimizer.name": ("AdamW or Adam", "Weight decay applies to weight matrices only"),
+    "optimizer.implementation": (None, "torch's Adam/AdamW kernels: fused (CPUs and GPUs), foreach or for-loop; "
+                                       "the update runs on each rank's shards of the parameters"),
+    "checkpoint.initial_load_path": (None, "A step folder (e.g. OTHER_RUN/checkpoint/step-1000, or an import_hf "
+                                           "output) or a checkpoint folder (its newest step) to start from, when "
+                                           "this run's own checkpoint folder holds none; with one there, the run "
+                                           "resumes from it and this is ignored (said in the log)"),
     "metrics.log_freq": (None, "Log loss, grad norm, lr, tokens/s, MFU and memory every N steps (console, "
                                "dump_folder/metrics.jsonl, TensorBoard)"),
     "metrics.enable_wandb": (None, "Also log to Weights & Biases (pip install wandb)"),

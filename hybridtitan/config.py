@@ -13,6 +13,7 @@ type checks below read them.)
 import contextlib
 import dataclasses
 import difflib
+import importlib.util
 import io
 import math
 import os
@@ -353,8 +354,24 @@ def _tyro_error_line(text: str) -> str:
     if not lines:
         return "bad command-line arguments"
     text = " ".join(lines[:3]).split(" Argument helptext:")[0]
-    # tyro spells keys with dashes (--training.seq-len): give them back as the user wrote them
-    text = re.sub(r"--([a-z_]+)\.([a-z0-9-]+)", lambda m: f"--{m.group(1)}.{m.group(2).replace('-', '_')}", text)
+    # tyro spells keys with dashes (--lr-scheduler.decay-type): give them back as the user wrote them
+    text = re.sub(r"--([a-z_-]+)\.([a-z0-9_-]+)", lambda m: f"--{m.group(0)[2:].replace('-', '_')}", text)
+    # tyro's wording for the common mistakes, in the words of the boolean check (_normalize_bools)
+    choice = re.search(r"invalid choice '(.*)' for argument '(--[a-z0-9_.]+)'", text)
+    if choice:
+        from hybridtitan.cli_help import OVERRIDES
+
+        allowed = OVERRIDES.get(choice.group(2)[2:], (None,))[0]  # where hybridtitan accepts fewer than tyro lists
+        if allowed:
+            return f"{choice.group(2)} must be {allowed}, got '{choice.group(1)}'"
+    missing = re.search(r"Missing value for argument '(--[a-z0-9_.]+)'", text)
+    if missing:
+        return f"{missing.group(1)} needs a value"
+    unparsed = re.search(r"Error parsing (--[a-z0-9_.]+): (invalid literal for int\(\)|could not convert string to "
+                         r"float).*?: ('.*')", text)
+    if unparsed:
+        kind = "an integer" if unparsed.group(2).startswith("invalid literal") else "a number"
+        return f"{unparsed.group(1)} must be {kind}, got {unparsed.group(3)}"
     return "bad command-line value: " + text
 
 
@@ -386,6 +403,8 @@ def validate(cfg, check_data: bool = True) -> None:
                           f"got {t.global_batch_size}")
     if cfg.metrics.log_freq <= 0:
         raise ConfigError(f"metrics.log_freq must be positive, got {cfg.metrics.log_freq}")
+    if cfg.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("metrics.enable_wandb needs the wandb package: pip install wandb")
     if cfg.checkpoint.interval <= 0:
         raise ConfigError(f"checkpoint.interval must be positive, got {cfg.checkpoint.interval}")
     if cfg.checkpoint.keep_latest_k < 0:

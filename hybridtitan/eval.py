@@ -22,6 +22,7 @@ import warnings
 
 from lm_eval.api.model import TemplateLM
 
+from hybridtitan.errors import first_error_line
 from hybridtitan.export_hf import OneLineParser, fail
 
 logger = logging.getLogger("hybridtitan")
@@ -260,7 +261,9 @@ def task_manager_for(names: list[str], include_path: str | None):
     def resolve(tm):
         known, unknown = [], []
         for name in names:
-            if name.endswith((".yaml", ".yml")) and os.path.isfile(name):
+            if name.endswith((".yaml", ".yml")):
+                if not os.path.isfile(name):
+                    raise EvalError(f"--tasks: no such task file: {name}")
                 known.append(name)
             elif name in tm.all_tasks:
                 known.append(name)
@@ -400,8 +403,12 @@ def main(argv: list[str] | None = None) -> None:
         fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
     lm = HybridTitanLM(model, tokenizer, batch_size=args.batch_size, max_length=args.max_length,
                        max_gen_toks=args.max_gen_toks)
-    results = evaluate(lm, tasks, task_manager, limit=args.limit, num_fewshot=args.num_fewshot,
-                       batch_size=args.batch_size, device=device, bootstrap_iters=args.bootstrap_iters)
+    try:
+        results = evaluate(lm, tasks, task_manager, limit=args.limit, num_fewshot=args.num_fewshot,
+                           batch_size=args.batch_size, device=device, bootstrap_iters=args.bootstrap_iters)
+    except ConnectionError as e:  # a task's dataset on the Hub, offline or unreachable (datasets raises this)
+        fail(f"--tasks: cannot load a task's data: {first_error_line(e)} (offline: HF_DATASETS_OFFLINE=1; a task "
+             "of files on this machine, e.g. --include_path tests/assets/tasks --tasks stdlib_mc, needs no network)")
     from lm_eval.utils import make_table
 
     results.setdefault("config", {})["model"] = f"hybridtitan ({source})"

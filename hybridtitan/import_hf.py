@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import warnings
 
@@ -78,9 +79,15 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     from hybridtitan.hf.convert import output_problem
 
-    problem = output_problem(os.path.normpath(args.output), args.overwrite, "import")
+    output = os.path.normpath(args.output)
+    problem = output_problem(output, args.overwrite, "import")
     if problem:  # before reading any checkpoint
         fail(problem)
+    step = re.fullmatch(r"step-(\d+)", os.path.basename(output))
+    if step and int(step.group(1)) > 0 and os.path.basename(os.path.dirname(os.path.abspath(output))) == "checkpoint":
+        # the trainer starts from a model-only step-0, but refuses to go on from a later model-only step
+        fail(f"--output {args.output}: a run starts from an import in checkpoint/step-0 only; name it step-0, or "
+             "import elsewhere and give the folder as checkpoint.initial_load_path")
     if not os.path.isdir(args.model):
         fail(f"model folder not found: {args.model}")
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")

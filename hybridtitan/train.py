@@ -167,8 +167,9 @@ def _check_checkpoints(cfg, args) -> None:
         # it as the resume point would restart at step 0 below the older full checkpoints, and keep_latest_k would
         # then delete the new ones
         if steps[-1] > 0 and is_model_only(start):
-            raise ConfigError(f"{start} holds only the model (checkpoint.last_save_model_only): a run cannot go on "
-                              "from it. To train on from its weights, give it as checkpoint.initial_load_path with "
+            raise ConfigError(f"{start} holds only the model (written by import_hf, or by "
+                              "checkpoint.last_save_model_only): a run cannot go on from it, only start from it as "
+                              "step-0. To train on from its weights, give it as checkpoint.initial_load_path with "
                               "another job.dump_folder")
     elif cfg.checkpoint.initial_load_path:
         try:
@@ -381,6 +382,9 @@ def _resume(cfg, ckpt: CheckpointManager, state: TrainState) -> None:
         # a step-0 folder is a model-only starting point (python -m hybridtitan.import_hf writes one)
         step_dir, model_only = os.path.join(ckpt.folder, f"step-{latest}"), latest == 0
         said = f"resumed from {ckpt.folder}/step-{latest}"
+        if cfg.checkpoint.initial_load_path:
+            logger.warning(f"checkpoint.initial_load_path {cfg.checkpoint.initial_load_path} is ignored: the run's "
+                           f"own checkpoint folder holds step {latest}, and a run resumes from its own first")
     elif cfg.checkpoint.initial_load_path:
         step_dir = resolve_checkpoint(cfg.checkpoint.initial_load_path)
         model_only = cfg.checkpoint.initial_load_model_only

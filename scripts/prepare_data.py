@@ -40,13 +40,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="hub dataset name, local folder, or local file/glob (.json/.jsonl/.parquet/.txt)")
     p.add_argument("--name", default="", help="dataset config name (e.g. sample-10BT)")
     p.add_argument("--split", default="train")
-    p.add_argument("--text-field", default="text")
+    p.add_argument("--text-field", "--text_field", dest="text_field", default="text")
     p.add_argument("--tokenizer", required=True, help="tokenizer folder or hub name")
     p.add_argument("--output", required=True, help="output path prefix: PREFIX_00000.bin/.idx, ...")
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                    help="tokenizer processes (datasets .map num_proc)")
-    p.add_argument("--shard-size-tokens", type=int, default=1_000_000_000, help="tokens per output shard")
-    p.add_argument("--limit-docs", type=int, default=0, help="only the first N documents (0: all)")
+    # each option also takes the underscore spelling of the trainer, export_hf and eval
+    p.add_argument("--shard-size-tokens", "--shard_size_tokens", dest="shard_size_tokens", type=int,
+                   default=1_000_000_000, help="tokens per output shard")
+    p.add_argument("--limit-docs", "--limit_docs", dest="limit_docs", type=int, default=0,
+                   help="only the first N documents (0: all)")
     p.add_argument("--streaming", action="store_true",
                    help="stream the dataset (no full download; tokenizes in this process, with threads)")
     return p.parse_args(argv)
@@ -78,19 +81,32 @@ def tokenized_batches(args, tok):
     return len(ds), (b["input_ids"] for b in ds.iter(batch_size=BATCH))
 
 
+# the trainer's keys in the data module's messages, as this script's options
+_OPTION_OF = {"data.path": "--dataset", "data.tokenizer": "--tokenizer", "data.text_field": "--text-field",
+              "data.name": "--name", "data.split": "--split"}
+
+
+def fail(message: str) -> None:
+    """One line on stderr and exit status 2, as the trainer, export_hf and eval do for bad input."""
+    for key, option in _OPTION_OF.items():
+        message = message.replace(key, option)
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.shard_size_tokens < 1:
-        raise SystemExit("--shard-size-tokens must be positive")
+        fail("--shard-size-tokens must be positive")
     existing = sorted(glob.glob(glob.escape(args.output) + "_[0-9][0-9][0-9][0-9][0-9].*"))
     if existing:
         # A stale shard from an earlier run would be picked up by the PREFIX_* glob and mixed into training.
-        raise SystemExit(f"error: {existing[0]} already exists: remove the old shards or choose another --output")
+        fail(f"{existing[0]} already exists: remove the old shards or choose another --output")
     try:
         tok = build_tokenizer(args.tokenizer)
         total, batches = tokenized_batches(args, tok)
     except ValueError as e:
-        raise SystemExit(f"error: {e}")
+        fail(str(e))
 
     from tqdm import tqdm
 
@@ -115,7 +131,7 @@ def main(argv=None) -> None:
     if writer is not None:
         writer.finalize()
     if not shards:
-        raise SystemExit("error: no non-empty documents: nothing written")
+        fail("no non-empty documents: nothing written")
     print(f"{docs} documents, {tokens} tokens ({empty} empty documents left out) in {len(shards)} shard(s), "
           f"{time.time() - start:.0f} s")
     print(f'train on them with:  [data] source = "megatron"  path = "{args.output}_*"')

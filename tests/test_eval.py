@@ -158,6 +158,13 @@ def test_eval_bad_input(trained, tmp_path, capsys):
     hf_folder.mkdir()
     (hf_folder / "config.json").write_text("{}")
     expect(["--checkpoint", str(hf_folder), "--step", "3", *common], "is a Hugging Face folder")
+    expect(["--checkpoint", str(trained["debug_gdn"]), "--tasks", str(tmp_path / "nope.yaml")],
+           "no such task file")
+    # a task whose data are on the Hub, offline: one line, not the datasets traceback
+    hub_task = tmp_path / "hub_task.yaml"
+    hub_task.write_text("task: hub_task\ndataset_path: no-such-org/no-such-data\noutput_type: multiple_choice\n"
+                        "test_split: test\ndoc_to_text: '{{q}}'\ndoc_to_choice: choices\ndoc_to_target: 0\n")
+    expect(["--checkpoint", str(trained["debug_gdn"]), "--tasks", str(hub_task)], "cannot load a task's data")
     # a tokenizer with more ids than the model's embedding holds: refused before the weights are read
     small = tmp_path / "small" / "checkpoint"
     shutil.copytree(Path(trained["debug_gdn"]) / "checkpoint", small)

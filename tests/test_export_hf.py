@@ -552,6 +552,9 @@ def test_import_bad_input(trained, exports, tmp_path, capsys):
     (foreign / "model.safetensors").unlink()
     _expect_error(capsys, main, ["--model", str(foreign), "--output", str(out)], "no weights")
     assert not out.exists()
+    # a later step of a run's checkpoint folder: the trainer would refuse to go on from a model-only step there
+    _expect_error(capsys, main, ["--model", str(exports["debug_gdn", "fla"]), "--output",
+                                 str(tmp_path / "checkpoint" / "step-9")], "checkpoint/step-0 only")
     # an existing folder is refused; --overwrite replaces only a step folder (an earlier import), never a training
     # run's dump or checkpoint folder
     run = tmp_path / "run"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -453,6 +454,15 @@ def test_model_only_last_checkpoint_is_not_resumed(tmp_path, capsys):
     (["--lr_scheduler.min_lr_factor", "2"], "lr_scheduler.min_lr_factor must be in [0, 1]"),
     (["--debug.seed", "-1"], "debug.seed must be in [0, 2**32)"),
     (["--profiling.enable_profiling", "--profiling.profiler_active", "0"], "profiling.profiler_active"),
+    # tyro's messages, in the keys and words the user typed
+    (["--lr_scheduler.decay_type", "cosin"], "invalid choice 'cosin' for argument '--lr_scheduler.decay_type'"),
+    (["--activation_checkpoint.mode", "selectiv"],
+     "--activation_checkpoint.mode must be none, selective or full, got 'selectiv'"),
+    (["--training.steps", "four"], "--training.steps must be an integer, got 'four'"),
+    (["--optimizer.lr", "abc"], "--optimizer.lr must be a number, got 'abc'"),
+    (["--training.steps"], "--training.steps needs a value"),
+    pytest.param(["--metrics.enable_wandb", "true"], "metrics.enable_wandb needs the wandb package",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb installed")),
 ])
 def test_more_bad_input(tmp_path, capsys, argv, expected):
     code, err = _main_error(capsys, ["--job.config_file", RECIPE, "--job.dump_folder", str(tmp_path / "d"), *argv])
