@@ -355,7 +355,8 @@ def _tyro_error_line(text: str) -> str:
         return "bad command-line arguments"
     text = " ".join(lines[:3]).split(" Argument helptext:")[0]
     # tyro spells keys with dashes (--lr-scheduler.decay-type): give them back as the user wrote them
-    text = re.sub(r"--([a-z_-]+)\.([a-z0-9_-]+)", lambda m: f"--{m.group(0)[2:].replace('-', '_')}", text)
+    text = re.sub(r"--[a-z0-9_-]+(?:\.[a-z0-9_-]+)+", lambda m: m.group(0)[:2] + m.group(0)[2:].replace("-", "_"),
+                  text)
     # tyro's wording for the common mistakes, in the words of the boolean check (_normalize_bools)
     choice = re.search(r"invalid choice '(.*)' for argument '(--[a-z0-9_.]+)'", text)
     if choice:
@@ -368,10 +369,16 @@ def _tyro_error_line(text: str) -> str:
     if missing:
         return f"{missing.group(1)} needs a value"
     unparsed = re.search(r"Error parsing (--[a-z0-9_.]+): (invalid literal for int\(\)|could not convert string to "
-                         r"float).*?: ('.*')", text)
+                         r"float).*?: (['\"].*['\"])", text)
     if unparsed:
         kind = "an integer" if unparsed.group(2).startswith("invalid literal") else "a number"
         return f"{unparsed.group(1)} must be {kind}, got {unparsed.group(3)}"
+    # the same for a key that may also be unset (int | None, float | None)
+    optional = re.search(r"Error parsing (--[a-z0-9_.]+): no type matching \{None\}\|(INT|FLOAT) could be "
+                         r"instantiated from \[(.*)\]", text)
+    if optional:
+        kind = "an integer" if optional.group(2) == "INT" else "a number"
+        return f"{optional.group(1)} must be {kind} (or None), got {optional.group(3)}"
     return "bad command-line value: " + text
 
 

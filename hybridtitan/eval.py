@@ -407,8 +407,8 @@ def main(argv: list[str] | None = None) -> None:
         results = evaluate(lm, tasks, task_manager, limit=args.limit, num_fewshot=args.num_fewshot,
                            batch_size=args.batch_size, device=device, bootstrap_iters=args.bootstrap_iters)
     except ConnectionError as e:  # a task's dataset on the Hub, offline or unreachable (datasets raises this)
-        fail(f"--tasks: cannot load a task's data: {first_error_line(e)} (offline: HF_DATASETS_OFFLINE=1; a task "
-             "of files on this machine, e.g. --include_path tests/assets/tasks --tasks stdlib_mc, needs no network)")
+        fail(f"--tasks: cannot load a task's data: {first_error_line(e)} (a task on the Hub needs network access "
+             "once, to cache its data; a task of local files, through --include_path, needs none)")
     from lm_eval.utils import make_table
 
     results.setdefault("config", {})["model"] = f"hybridtitan ({source})"

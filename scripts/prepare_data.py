@@ -81,15 +81,16 @@ def tokenized_batches(args, tok):
     return len(ds), (b["input_ids"] for b in ds.iter(batch_size=BATCH))
 
 
-# the trainer's keys in the data module's messages, as this script's options
+# the trainer's keys that begin the data module's messages, as this script's options
 _OPTION_OF = {"data.path": "--dataset", "data.tokenizer": "--tokenizer", "data.text_field": "--text-field",
               "data.name": "--name", "data.split": "--split"}
 
 
 def fail(message: str) -> None:
     """One line on stderr and exit status 2, as the trainer, export_hf and eval do for bad input."""
-    for key, option in _OPTION_OF.items():
-        message = message.replace(key, option)
+    key, colon, rest = message.partition(":")
+    if colon and key in _OPTION_OF:
+        message = _OPTION_OF[key] + colon + rest
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
 

@@ -356,6 +356,27 @@ def test_prepare_data_end_to_end(tmp_path, tok_dir, tok, corpus):
     assert len(got) == len(expected) and all(g.tolist() == e for g, e in zip(got, expected))
 
 
+def test_prepare_data_bad_input(tmp_path, tok_dir, corpus):
+    """Exit code 2 and one line naming this script's options (not the trainer's keys); the underscore spellings
+    of the trainer and the other tools are accepted too. The three processes run side by side."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    script, out = str(REPO / "scripts" / "prepare_data.py"), str(tmp_path / "out" / "train")
+    cases = {
+        "--dataset: no such file or folder": ["--dataset", str(tmp_path / "nope.jsonl"), "--tokenizer", tok_dir],
+        "--text-field: no column 'body'": ["--dataset", corpus["train"], "--tokenizer", tok_dir,
+                                           "--text_field", "body"],
+        "--shard-size-tokens must be positive": ["--dataset", corpus["train"], "--tokenizer", tok_dir,
+                                                 "--shard_size_tokens", "0"],
+    }
+    procs = {expected: subprocess.Popen([sys.executable, script, *argv, "--output", out], env=env, cwd=tmp_path,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for expected, argv in cases.items()}
+    for expected, proc in procs.items():
+        _, stderr = proc.communicate(timeout=300)
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {expected}"), stderr
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 
 

@@ -80,6 +80,11 @@ def ours(dump: Path):
     return load_model(str(dump), "cpu", torch.float32)[0].eval()
 
 
+def _cache(out):
+    """The cache of a forward's output: transformers 5.24 renamed the field past_key_values to cache."""
+    return out.cache if "cache" in out.__dataclass_fields__ else out.past_key_values
+
+
 def tokens(shape, seed=0):
     return torch.randint(5, 8000, shape, generator=torch.Generator().manual_seed(seed))
 
@@ -198,7 +203,7 @@ def test_cache_is_a_transformers_cache(exports):
     x = tokens((2, 7))
     with torch.no_grad():
         out = hf(x, use_cache=True)
-        cache = out.cache
+        cache = _cache(out)
         assert isinstance(cache, HybridCache) and isinstance(cache, Cache)
         assert cache.get_seq_length() == 7 and cache.batch_size == 2
         latents = [s for s in cache.inner.layers if "c_kv" in s]
@@ -214,12 +219,12 @@ def test_cache_is_a_transformers_cache(exports):
     with torch.no_grad():
         out = hf(x, attention_mask=mask)
         alone = hf(x[:1, :4]).logits
-    assert out.cache is None
+    assert _cache(out) is None
     torch.testing.assert_close(out.logits[:1, :4], alone, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="padded"):
         hf(x, attention_mask=mask, use_cache=True)
     with torch.no_grad():
-        cache = hf(x[:, :4]).cache
+        cache = _cache(hf(x[:, :4]))
     with pytest.raises(ValueError, match="padded"):  # a cache passed in is used, never dropped
         hf(x[:, 4:], past_key_values=cache, attention_mask=mask)
     # ... also with use_cache=False, in training mode, or with the config's use_cache off: it is used and advanced
@@ -228,7 +233,7 @@ def test_cache_is_a_transformers_cache(exports):
         hf.train(mode == "train")
         hf.config.use_cache = not kwargs.pop("config_off", False)
         with torch.no_grad():
-            cache = hf(x[:, :3], use_cache=True).cache
+            cache = _cache(hf(x[:, :3], use_cache=True))
             rest = hf(x[:, 3:], past_key_values=cache, **kwargs).logits
         assert cache.get_seq_length() == 7, (mode, kwargs)
         torch.testing.assert_close(rest, full[:, 3:], atol=1e-4, rtol=1e-4)
@@ -350,8 +355,21 @@ def test_gradient_checkpointing(exports, tmp_path):
         assert [isinstance(layer, CheckpointWrapper) for layer in hf.model.layers] == [True, False] * 4
         torch.testing.assert_close(loss_and_grads()[0], plain_loss, atol=1e-6, rtol=1e-6)
         disable()
-    with pytest.raises(ValueError, match="use_reentrant=False"):
-        enable({"use_reentrant": True})
+    # a reentrant checkpoint cannot pass the sublayers' keyword arguments: asked for, or left to torch's default
+    # (reentrant), it runs non-reentrant
+    for kwargs in ({"use_reentrant": True}, {"preserve_rng_state": False}):
+        enable(kwargs)
+        torch.testing.assert_close(loss_and_grads()[0], plain_loss, atol=1e-6, rtol=1e-6)
+    # with gradients on, the recomputation would advance a cache a second time: none is made, one passed is refused
+    hf.eval()
+    out = hf(x, labels=x)
+    assert _cache(out) is None
+    out.loss.backward()
+    with torch.no_grad():
+        cache = _cache(hf(x[:, :8], use_cache=True))
+    with pytest.raises(ValueError, match="activation checkpointing"):
+        hf(x[:, 8:], past_key_values=cache)
+    disable()
 
 
 # ------------------------------------------------------------------------------------------ FLA's layouts

@@ -362,7 +362,7 @@ BAD_CLI = {
                             "not divisible"),
     "bad_pattern": (["--model.pattern", "*-M-X-"], "position 4"),
     # the key as the user wrote it, without tyro's dashes and trailing "Argument helptext:"
-    "cli_not_an_int": (["--training.seq_len", "abc"], "Error parsing --training.seq_len: invalid literal for int()"),
+    "cli_not_an_int": (["--training.seq_len", "abc"], "--training.seq_len must be an integer, got 'abc'"),
     "cli_not_a_bool": (["--checkpoint.enable", "maybe"], "--checkpoint.enable must be true or false, got 'maybe'"),
     "tokenizer_not_found": (["--data.tokenizer", "no_such_tokenizer_folder"],
                             "no_such_tokenizer_folder: no such local folder, and from the Hugging Face Hub:"),
@@ -461,6 +461,8 @@ def test_model_only_last_checkpoint_is_not_resumed(tmp_path, capsys):
     (["--training.steps", "four"], "--training.steps must be an integer, got 'four'"),
     (["--optimizer.lr", "abc"], "--optimizer.lr must be a number, got 'abc'"),
     (["--training.steps"], "--training.steps needs a value"),
+    (["--model.dim", "x"], "--model.dim must be an integer (or None), got 'x'"),
+    (["--model.mamba2.d_state"], "--model.mamba2.d_state needs a value"),
     pytest.param(["--metrics.enable_wandb", "true"], "metrics.enable_wandb needs the wandb package",
                  marks=pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb installed")),
 ])
@@ -594,6 +596,10 @@ def test_resume_with_parts_left_out_steps_at_the_schedules_rate(tmp_path):
     _, proc = resumed("workers", "--data.num_workers", "1", check=False)
     assert proc.returncode != 0  # torchrun's own code: the rank's is 2
     assert "the checkpoint's data.num_workers is 0, this run's 1" in proc.stderr, proc.stderr[-2000:]
+    # the run's own checkpoint comes before an initial_load_path, and the log says so
+    _, proc = resumed("own_first", "--checkpoint.initial_load_path", str(straight / "checkpoint"))
+    log = proc.stdout + proc.stderr
+    assert "is ignored: the run's own checkpoint folder holds step 4" in log and "resumed from" in log, log
     flat = tmp_path / "flat"
     shutil.copytree(straight / "checkpoint" / "step-4", flat / "checkpoint")
     proc = run_train(flat, *args, nproc=1, check=False)

@@ -9,6 +9,8 @@ new token costs one step instead of a pass over the prefix.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 
 import torch
 import torch.nn as nn
@@ -21,6 +23,8 @@ from hybridtitan.models import HybridLM, InferenceCache
 from hybridtitan.models.model import init_module
 
 from .configuration import HybridTitanConfig, without_auto_class
+
+logger = logging.getLogger("hybridtitan")
 
 # transformers 5.24 renamed the output's past_key_values to cache; pyproject admits the releases before it too
 _CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
@@ -171,9 +175,15 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
         ``gradient_checkpointing_func``, as the trainer's activation_checkpoint modes; or the plain sublayers again."""
         from hybridtitan.parallel import apply_activation_checkpointing, remove_activation_checkpointing
 
-        if enable and getattr(gradient_checkpointing_func, "keywords", {}).get("use_reentrant"):
-            raise ValueError("HybridTitanForCausalLM checkpoints with use_reentrant=False only (its sublayers take "
-                             "keyword arguments)")
+        if enable and gradient_checkpointing_func is not None:
+            # the sublayers take keyword arguments, which torch's reentrant checkpoint cannot pass; transformers
+            # releases before 2026 asked for it by default, and torch's own default is reentrant too
+            keywords = getattr(gradient_checkpointing_func, "keywords", None) or {}
+            if keywords.get("use_reentrant") is not False:
+                if keywords.get("use_reentrant"):
+                    logger.warning("HybridTitanForCausalLM: activation checkpointing runs with use_reentrant=False "
+                                   "(its sublayers take keyword arguments)")
+                gradient_checkpointing_func = functools.partial(gradient_checkpointing_func, use_reentrant=False)
         remove_activation_checkpointing(self.model)
         if enable:
             apply_activation_checkpointing(self.model, "full" if every_n_layers <= 1 else "selective",
@@ -206,6 +216,12 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
                                                                          or not _padded(attention_mask))
         if cache is not None and not isinstance(cache, HybridCache):
             raise TypeError(f"HybridTitanForCausalLM needs a HybridCache, got {type(cache).__name__}")
+        if getattr(self, "gradient_checkpointing", False) and torch.is_grad_enabled():
+            # the backward pass runs each sublayer again, which would advance a cache a second time
+            if cache is not None:
+                raise ValueError("HybridTitanForCausalLM cannot update a cache under activation checkpointing with "
+                                 "gradients on: call it under torch.no_grad(), or switch checkpointing off")
+            use_cache = False
         # a cache passed in is always used and updated, as transformers' models do; use_cache only says whether
         # a new one is made
         if use_cache and cache is None:
