@@ -176,8 +176,8 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
         from hybridtitan.parallel import apply_activation_checkpointing, remove_activation_checkpointing
 
         if enable and gradient_checkpointing_func is not None:
-            # the sublayers take keyword arguments, which torch's reentrant checkpoint cannot pass; transformers
-            # releases before 2026 asked for it by default, and torch's own default is reentrant too
+            # the sublayers take keyword arguments, which torch's reentrant checkpoint cannot pass; older transformers
+            # releases asked for it by default, and torch's own default is reentrant too
             keywords = getattr(gradient_checkpointing_func, "keywords", None) or {}
             if keywords.get("use_reentrant") is not False:
                 if keywords.get("use_reentrant"):
