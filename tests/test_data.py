@@ -391,6 +391,12 @@ def test_bad_input(tmp_path, tok, tok_dir, corpus, megatron_prefix):
     assert error(Data(path=str(tmp_path / "nope.jsonl"))).startswith("data.path: no such file or folder")
     assert error(Data(path=str(tmp_path / "nothing_here/"))).startswith("data.path: no such file or folder")
     assert error(Data(source="webdataset")).startswith("data.source must be one of hf, megatron, mock")
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    for name in ("a.jsonl", "a.txt", "b.csv"):
+        (mixed / name).write_text('{"text": "one"}\n')
+    assert "names files of more than one type" in error(Data(path=str(mixed / "a.*")))
+    assert error(Data(path=str(mixed / "b.*"))).startswith(f"data.path: cannot tell the file type of {mixed / 'b.csv'}")
     (tmp_path / "empty.jsonl").write_text("")
     empty = tmp_path / "empty.jsonl"
     assert error(Data(path=str(empty))) == f"data.path: {empty} is empty: no documents"

@@ -86,6 +86,22 @@ def file_builder(path: str) -> str | None:
     return FILE_BUILDERS.get(os.path.splitext(stem)[1].lower())
 
 
+def files_builder(files: list[str], path: str) -> str:
+    """The one `datasets` builder of the files that `data.path` (``path``) names; ValueError if a file's type is
+    unknown or the files are of more than one type (one builder reads them all)."""
+    builders = {}
+    for f in files:
+        builder = file_builder(f)
+        if builder is None:
+            raise ValueError(f"data.path: cannot tell the file type of {f} (expected one of "
+                             f"{', '.join(FILE_BUILDERS)})")
+        builders.setdefault(builder, f)
+    if len(builders) > 1:
+        raise ValueError(f"data.path: {path} names files of more than one type ({', '.join(builders.values())}): "
+                         "give files of one type")
+    return next(iter(builders))
+
+
 def local_data_files(path: str) -> list[str]:
     """The files a local file path or glob names (sorted), [] if none."""
     path = os.path.expanduser(resolve_path(path))
@@ -137,11 +153,11 @@ def validate_data_config(cfg: Data) -> None:
             raise ValueError("data.text_field must name the column that holds the text")
         if looks_local(cfg.path):
             local = resolve_path(cfg.path)
-            if not os.path.isdir(local) and not local_data_files(local):
-                raise ValueError(f"data.path: no such file or folder: {cfg.path}")
-            if not os.path.isdir(local) and file_builder(local) is None:
-                raise ValueError(f"data.path: cannot tell the file type of {cfg.path} "
-                                 f"(expected one of {', '.join(FILE_BUILDERS)})")
+            if not os.path.isdir(local):
+                files = local_data_files(local)
+                if not files:
+                    raise ValueError(f"data.path: no such file or folder: {cfg.path}")
+                files_builder(files, cfg.path)
         if cfg.streaming and cfg.num_workers > 0:
             # datasets would shard the stream again inside each worker, by its own rules; one process keeps the
             # order (and the resume) ours.

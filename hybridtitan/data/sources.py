@@ -20,7 +20,7 @@ import numpy as np
 
 from hybridtitan.errors import DataError, first_error_line
 
-from .config import Data, file_builder, local_data_files, looks_local, megatron_prefixes, resolve_path
+from .config import Data, files_builder, local_data_files, looks_local, megatron_prefixes, resolve_path
 from .megatron import MegatronDataset
 from .tokenizer import encode_batch
 
@@ -266,9 +266,7 @@ def load_hf_dataset(cfg: Data):
                 raise ValueError(f"data.path: no such file or folder: {cfg.path}")
             if all(os.path.getsize(f) == 0 for f in files):  # datasets would say only "StopIteration"
                 raise ValueError(f"data.path: {cfg.path} is empty: no documents")
-            builder = file_builder(files[0])
-            if builder is None:
-                raise ValueError(f"data.path: cannot tell the file type of {files[0]}")
+            builder = files_builder(files, cfg.path)
             # The files are the split: name it as asked, or datasets would infer split names from file names.
             ds = datasets.load_dataset(builder, data_files={cfg.split: files}, split=cfg.split, streaming=cfg.streaming)
         else:
@@ -276,9 +274,11 @@ def load_hf_dataset(cfg: Data):
     except ValueError as e:
         if str(e).startswith("data."):
             raise
-        raise ValueError(f"data.path: cannot load {cfg.path} (split {cfg.split!r}): {first_error_line(e, with_type=True)}") from None
+        raise ValueError(f"data.path: cannot load {cfg.path} (split {cfg.split!r}): "
+                         f"{first_error_line(e, with_type=True)}") from None
     except Exception as e:  # noqa: BLE001 -- network, missing split, bad files: one line naming the field
-        raise ValueError(f"data.path: cannot load {cfg.path} (split {cfg.split!r}): {first_error_line(e, with_type=True)}") from None
+        raise ValueError(f"data.path: cannot load {cfg.path} (split {cfg.split!r}): "
+                         f"{first_error_line(e, with_type=True)}") from None
     columns = ds.column_names
     if columns is not None and cfg.text_field not in columns:
         raise ValueError(f"data.text_field: no column {cfg.text_field!r} in {cfg.path} (columns: {', '.join(columns)})")
