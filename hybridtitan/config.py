@@ -231,10 +231,22 @@ def _all_keys(cls, prefix: str = "") -> dict[str, Any]:
     return keys
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _check_cli(args: list[str]) -> None:
     """Unknown command-line keys get one line instead of tyro's help page."""
     known = _all_keys(JobConfig)
-    for arg in args:
+    for i, arg in enumerate(args):
+        option = args[i - 1] if i and args[i - 1].startswith("--") and "=" not in args[i - 1] else None
+        if option and arg.startswith("-") and "." not in arg and not _is_number(arg):
+            # a value that begins with '-' (a pattern such as "-M-*") reads as an option
+            raise ConfigError(f"{option}: a value that begins with '-' reads as an option; give it as {option}={arg}")
         if not arg.startswith("--"):
             continue
         key = arg[2:].split("=", 1)[0].replace("-", "_")
@@ -490,6 +502,9 @@ def model_args(cfg) -> ModelArgs:
         if sub_over:
             changes[sub] = dataclasses.replace(getattr(base, sub), **sub_over)
     if m.pattern is not None:
+        if not m.pattern.strip():
+            raise ConfigError("model.pattern is empty: give one symbol per sublayer ('*' attention, 'M' mixer, "
+                              "'-' MLP), or leave it out for the flavor's")
         changes["pattern"] = m.pattern
         changes.setdefault("n_layers", len(m.pattern))
     elif "n_layers" in changes or "hybrid_attention_ratio" in changes:
@@ -497,7 +512,30 @@ def model_args(cfg) -> ModelArgs:
             raise ConfigError(f"model.flavor {m.flavor!r} has a hand-written pattern ({base.pattern}) that "
                               "hybrid_attention_ratio does not give: to change its depth, give model.pattern")
         changes["pattern"] = ""  # rebuilt from the ratio
-    return dataclasses.replace(base, **changes)
+    args = dataclasses.replace(base, **changes)
+    _refuse_default_sizes(m, base, args)
+    return args
+
+
+# The mixer and attention sections' defaults are the 300M flavors' sizes (dim 1024). A sublayer kind that a flavor
+# does not have (attention added by model.pattern, or another model.mixer) would be built with them at any width,
+# silently: refused unless some of its model.<section>.* keys are given.
+DEFAULT_SIZES_DIM = 1024
+
+
+def _refuse_default_sizes(m, base: ModelArgs, args: ModelArgs) -> None:
+    new = []
+    if "*" in args.pattern and "*" not in base.pattern:
+        new.append(("mla", "attention"))
+    if "M" in args.pattern and (args.mixer != base.mixer or "M" not in base.pattern):
+        new.append((args.mixer, f"{args.mixer} mixers"))
+    for section, what in new:
+        sizes = getattr(args, section)
+        given = any(v is not None for v in dataclasses.asdict(getattr(m, section)).values())
+        if args.dim != DEFAULT_SIZES_DIM and sizes == type(sizes)() and not given:
+            raise ConfigError(f"model.flavor {m.flavor!r} has no {what}, so model.{section}.* would be the "
+                              f"defaults, the 300M flavors' sizes for dim {DEFAULT_SIZES_DIM}, at dim {args.dim}: "
+                              f"give them (e.g. --model.{section}.num_heads), or start from a flavor with {what}")
 
 
 def selective_ac_interval(cfg) -> int:

@@ -77,6 +77,29 @@ def test_bad_input_one_line_exit_2(argv, expected):
     assert proc.stdout == ""
 
 
+@pytest.mark.parametrize("argv,expected", [
+    # a sublayer kind the flavor lacks would get the 300M defaults at another width: refused unless sized
+    (["--model.flavor", "gdn_1B", "--model.pattern=*-M-M-M-"], "'gdn_1B' has no attention, so model.mla.*"),
+    (["--model.flavor", "debug_gdn", "--model.mixer", "kda"], "'debug_gdn' has no kda mixers, so model.kda.*"),
+    (["--model.pattern=--------"], "has no attention ('*') or mixer ('M') sublayer"),
+    (["--model.pattern="], "model.pattern is empty"),
+    (["--model.pattern", "-M-M"], "give it as --model.pattern=-M-M"),
+])
+def test_bad_model_shapes_in_process(capsys, argv, expected):
+    with pytest.raises(SystemExit) as exc:
+        describe_mod.main(["--model.flavor", "debug_hybrid", *argv, "--json"])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and err.startswith("error: ") and "\n" not in err and expected in err, err
+
+
+def test_a_flavor_given_the_sizes_of_a_kind_it_lacks(capsys):
+    """With some of the section's keys given, the new kind is built as asked (and at dim 1024 the defaults fit)."""
+    d = _json(capsys, ["--model.flavor", "gdn_1B", "--model.mixer", "kda", "--model.kda.num_heads", "16"])
+    assert d["params_total"] == _json(capsys, ["--model.flavor", "kda_1B"])["params_total"]  # the same shapes
+    z = _json(capsys, ["--model.flavor", "gdn_300M", "--model.pattern=*-M-M-M-*-M-M-M-*-M-M-M-"])
+    assert z["params_total"] == _json(capsys, ["--model.flavor", "zebra_gdn_300M"])["params_total"]
+
+
 def test_loss_chunk_estimate_follows_the_chunk_kernel(capsys):
     """One chunk of bf16 logits: overwritten by its gradient in our GPU kernel (the recipes), a second chunk for
     the gradient when the chunks are compiled, a float32 copy on top when they run eagerly (float32 runs)."""

@@ -78,3 +78,42 @@ def test_delta_rules_pass_their_chunk_size_and_decode_without_one(monkeypatch):
     assert calls == [("chunk_gated_delta_rule", fla_backend.CHUNK_SIZE["gdn"]),
                      ("chunk_kda", fla_backend.CHUNK_SIZE["kda"]), ("fused_recurrent_kda", None)]
     assert fla_backend.CHUNK_SIZE == {"gdn": 64, "kda": 32}
+
+
+def test_kda_configs_of_three_or_more_stages_dropped_on_rocm(monkeypatch):
+    """On a ROCm build of torch, importing the backend drops KDA's autotune configs of more than 2 stages (they
+    hung KDA's backward on AMD GPUs), except where a kernel has no other; on CUDA it changes nothing."""
+    import importlib
+
+    from triton.runtime.autotuner import Autotuner
+
+    def autotuners():
+        found = {}
+        for name in fla_backend.KDA_AUTOTUNED_MODULES:
+            for attr, kernel in vars(importlib.import_module(name)).items():
+                while not isinstance(kernel, Autotuner) and hasattr(kernel, "fn"):
+                    kernel = kernel.fn
+                if isinstance(kernel, Autotuner):
+                    found[f"{name}.{attr}"] = kernel
+        return found
+
+    kernels = autotuners()
+    saved = {name: list(k.configs) for name, k in kernels.items()}
+    assert any(c.num_stages > 2 for configs in saved.values() for c in configs)
+    try:
+        monkeypatch.setattr(torch.version, "hip", None)
+        importlib.reload(fla_backend)
+        assert {name: list(k.configs) for name, k in kernels.items()} == saved
+        monkeypatch.setattr(torch.version, "hip", "6.4.0")
+        importlib.reload(fla_backend)
+        for name, kernel in kernels.items():
+            if any(c.num_stages <= 2 for c in saved[name]):
+                assert kernel.configs == [c for c in saved[name] if c.num_stages <= 2], name
+            else:
+                assert kernel.configs == saved[name], name  # no config of 2 stages or fewer: FLA's own kept
+        assert sum(len(k.configs) for k in kernels.values()) < sum(map(len, saved.values()))
+    finally:
+        for name, kernel in kernels.items():
+            kernel.configs = saved[name]
+        monkeypatch.setattr(torch.version, "hip", None)
+        importlib.reload(fla_backend)

@@ -94,6 +94,9 @@ class ModelArgs:
                 f"model.pattern {self.pattern!r} has {len(kinds)} sublayers but model.n_layers is {self.n_layers}; "
                 "they must be equal (one symbol per sublayer)"
             )
+        if "attention" not in kinds and "mixer" not in kinds:
+            raise ValueError(f"model.pattern {self.pattern!r} has no attention ('*') or mixer ('M') sublayer: "
+                             "nothing would mix information across tokens")
         if "mixer" in kinds and self.mixer not in MIXERS:
             raise ValueError(
                 f"model.mixer {self.mixer!r} is not a known mixer; the pattern has 'M' sublayers, so model.mixer "

@@ -5,6 +5,8 @@ Each function has the signature of its PyTorch twin in ``reference.py`` (through
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.nn.functional as F
 from fla.modules.activations import swiglu_linear as _fla_swiglu_linear
@@ -24,6 +26,35 @@ RECURRENT_MAX_TOKENS = 64
 # chunk of 32 ran a kda_300M layer's forward + backward in 4.01 against 4.77 ms on an H200 (docs/benchmarks.md,
 # thirteenth measurement). Same arithmetic either way, up to the order of bf16 roundings.
 CHUNK_SIZE = {"gdn": 64, "kda": 32}
+
+
+# KDA's backward has hung on ROCm in autotune configs of 3 or more pipeline stages (a pitfall others hit); FLA 0.6.0
+# offers its KDA kernels 2, 3 and 4 on every device. On AMD GPUs the configs above 2 are dropped before the first
+# call, where a kernel has others: the autotuner picks among the rest, and the arithmetic is the same.
+ROCM_KDA_MAX_STAGES = 2
+KDA_AUTOTUNED_MODULES = ("fla.ops.kda.chunk_bwd", "fla.ops.kda.chunk_intra", "fla.ops.kda.wy_fast")
+
+
+def limit_num_stages(module_names, max_stages: int) -> int:
+    """Drops the autotune configs of more than ``max_stages`` stages from every autotuned kernel of these modules
+    (a kernel left with none keeps its own); returns how many were dropped."""
+    from triton.runtime.autotuner import Autotuner
+
+    dropped = 0
+    for name in module_names:
+        for kernel in vars(importlib.import_module(name)).values():
+            while not isinstance(kernel, Autotuner) and hasattr(kernel, "fn"):  # under triton.heuristics
+                kernel = kernel.fn
+            if isinstance(kernel, Autotuner):
+                keep = [c for c in kernel.configs if (c.num_stages or 0) <= max_stages]
+                if keep and len(keep) < len(kernel.configs):
+                    dropped += len(kernel.configs) - len(keep)
+                    kernel.configs = keep
+    return dropped
+
+
+if torch.version.hip:
+    limit_num_stages(KDA_AUTOTUNED_MODULES, ROCM_KDA_MAX_STAGES)
 
 
 def _decoding(q: torch.Tensor) -> bool:
