@@ -396,7 +396,24 @@ def _resume(cfg, ckpt: CheckpointManager, state: TrainState) -> None:
     if state.step > 0 and "lr_scheduler" not in cfg.checkpoint.exclude_from_loading:
         _keep_the_checkpoints_schedule(cfg, ckpt, step_dir)
     apply_schedule(ckpt.lr_scheduler)  # the rates of the schedule in force, whichever parts were loaded
+    if state.step > 0 and "dataloader" not in cfg.checkpoint.exclude_from_loading:
+        _warn_about_the_kept_data_order(cfg, step_dir)
     _warn_about_resumed_values(cfg, ckpt, state)
+
+
+def _warn_about_the_kept_data_order(cfg, step_dir: str) -> None:
+    """The resumed data loader goes on in the checkpoint's order: a changed data.shuffle or debug.seed would have
+    no effect on it, which is said rather than left silent."""
+    try:
+        saved = read_job_config(step_dir)
+        was = {"data.shuffle": saved["data"]["shuffle"], "debug.seed": saved["debug"]["seed"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    now = {"data.shuffle": cfg.data.shuffle, "debug.seed": cfg.debug.seed}
+    changed = [f"{key} {now[key]} (checkpoint: {was[key]})" for key in now if now[key] != was[key]]
+    if changed:
+        logger.warning(f"{', '.join(changed)}: the resumed data loader goes on in the checkpoint's order; to start "
+                       "the data anew in the new order, add dataloader to checkpoint.exclude_from_loading")
 
 
 _NEW_SCHEDULE = '(checkpoint.exclude_from_loading = ["lr_scheduler"] starts a new one)'

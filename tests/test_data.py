@@ -130,6 +130,28 @@ class ListDocuments:
         self.i = state["i"]
 
 
+def test_packing_resumes_a_shuffled_stream_at_a_new_document():
+    """A shuffled stream gives other documents after a resume (datasets refills its shuffle buffer): the offset
+    into the half-cut document must not be applied to whichever document comes next (it was an error when that
+    one was shorter, and silently wrong text when longer). The next window starts a new document instead."""
+
+    class RefilledStream(ListDocuments):
+        resumes_exactly = False
+
+        def load_state_dict(self, state):
+            self.i = state["i"] + 1  # the refill: the half-cut document does not come again
+
+    docs = [list(range(1, 41)), [50, 51], [60, 61, 62]]
+    packer = Packer(ListDocuments(docs), seq_len=8, eos=0)
+    first = [packer.next_window() for _ in range(2)]  # the long document is half-cut after 17 of its 41 tokens
+    state = packer.state_dict()
+    assert state["offset"] == 17 and first[1][-1] == 17
+    resumed = Packer(RefilledStream(docs), seq_len=8, eos=0)
+    resumed.load_state_dict(state)
+    window = resumed.next_window()
+    assert window.tolist() == [17, 50, 51, 0, 60, 61, 62, 0, 1]  # the carried token, then whole new documents
+
+
 def test_packing_hand_made():
     packer = Packer(ListDocuments([[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]]), seq_len=4, eos=0)
     windows = [packer.next_window() for _ in range(4)]

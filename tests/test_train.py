@@ -596,6 +596,10 @@ def test_resume_with_parts_left_out_steps_at_the_schedules_rate(tmp_path):
     _, proc = resumed("workers", "--data.num_workers", "1", check=False)
     assert proc.returncode != 0  # torchrun's own code: the rank's is 2
     assert "the checkpoint's data.num_workers is 0, this run's 1" in proc.stderr, proc.stderr[-2000:]
+    # a changed data order does not reach a resumed data loader: said, not silent
+    _, proc = resumed("reseeded", "--debug.seed", "7", "--data.shuffle", "false")
+    log = proc.stdout + proc.stderr
+    assert "debug.seed 7 (checkpoint:" in log and "data.shuffle False (checkpoint: True)" in log, log
     # the run's own checkpoint comes before an initial_load_path, and the log says so
     _, proc = resumed("own_first", "--checkpoint.initial_load_path", str(straight / "checkpoint"))
     log = proc.stdout + proc.stderr

@@ -13,8 +13,12 @@ Rules (one place for them):
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -68,6 +72,11 @@ class Packer:
         if (saved["shard"], saved["num_shards"]) != (self.documents.shard, self.documents.num_shards):
             # Another shard's (or world size's) cursor: the half-cut document is not ours; start a clean window.
             self._carry = -1
+        elif state["offset"] > 0 and not getattr(self.documents, "resumes_exactly", True):
+            # a shuffled stream reads other documents after a resume (datasets refills its shuffle buffer): the
+            # saved offset belongs to a document it will not give again, so the next window starts a new one
+            logger.warning("data: a shuffled stream does not resume exactly: the document half-cut at the "
+                           "checkpoint is not continued (data.shuffle false resumes exactly)")
         elif state["offset"] > 0:
             self._doc_state = saved
             self._doc = with_eos(self.documents.next_document(), self.eos)

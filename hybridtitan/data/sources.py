@@ -165,9 +165,11 @@ class ShardedDocuments:
 
     def load_state_dict(self, state: dict) -> None:
         if state["fingerprint"] != self.source.fingerprint:
+            mock = "; the mock source's documents follow training.seq_len" if state["fingerprint"].startswith(
+                "mock:") else ""
             raise ValueError(f"data: the checkpoint's data loader state is for other data ({state['fingerprint']}, "
-                             f"now {self.source.fingerprint}); to start this data from its beginning, leave the "
-                             "data loader out of the checkpoint load")
+                             f"now {self.source.fingerprint}{mock}); to start this data from its beginning, add "
+                             "dataloader to checkpoint.exclude_from_loading")
         # The order follows the seed and shuffle setting the run started with, so it stays one order.
         self.seed, self.shuffle = state["seed"], state["shuffle"]
         self.epoch, self.pos = state["epoch"], state["pos"]
@@ -195,6 +197,7 @@ class StreamingDocuments:
 
         dataset = split_dataset_by_node(dataset, rank=shard, world_size=num_shards)
         self.dataset = dataset.shuffle(seed=seed, buffer_size=buffer_size) if shuffle else dataset
+        self.resumes_exactly = not shuffle  # read by the Packer: see the class docstring
         self.tokenizer, self.text_field = tokenizer, text_field
         self.shard, self.num_shards = shard, num_shards
         self.epoch, self.hf_state = 0, None
