@@ -244,7 +244,7 @@ def _check_cli(args: list[str]) -> None:
     known = _all_keys(JobConfig)
     for i, arg in enumerate(args):
         option = args[i - 1] if i and args[i - 1].startswith("--") and "=" not in args[i - 1] else None
-        if option and arg.startswith("-") and "." not in arg and not _is_number(arg):
+        if option and arg.startswith("-") and "." not in arg and arg not in ("-h", "--help") and not _is_number(arg):
             # a value that begins with '-' (a pattern such as "-M-*") reads as an option
             raise ConfigError(f"{option}: a value that begins with '-' reads as an option; give it as {option}={arg}")
         if not arg.startswith("--"):
