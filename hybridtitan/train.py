@@ -195,16 +195,24 @@ def _check_checkpoints(cfg, args) -> None:
             _check_the_loaders_workers(cfg, start)
 
 
+def _changed_settings(cfg, step_dir: str, keys: tuple[str, ...]) -> list[tuple[str, object, object]]:
+    """The job-config keys ("section.name") whose value in the step folder's job config differs from this run's, as
+    (key, the checkpoint's, this run's); none where it has no job config to compare with (written by other tools)."""
+    try:
+        saved = read_job_config(step_dir)
+        was = {key: saved[key.split(".")[0]][key.split(".")[1]] for key in keys}
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    now = {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in keys}
+    return [(key, was[key], now[key]) for key in keys if was[key] != now[key]]
+
+
 def _check_the_loaders_workers(cfg, start: str) -> None:
     """A loader's state holds one position per worker: it loads only into the same data.num_workers. Said before
     loading, since DCP and the loader refuse others in ways that name neither (a bare assertion, for one)."""
-    try:
-        saved = read_job_config(start)["data"]["num_workers"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # no job config to compare with (written by other tools): the load itself decides
-    if saved != cfg.data.num_workers:
+    for _, saved, now in _changed_settings(cfg, start, ("data.num_workers",)):
         raise ConfigError(f"cannot resume from {start}: {_OTHER_WORKERS}: the checkpoint's data.num_workers is "
-                          f"{saved}, this run's {cfg.data.num_workers}")
+                          f"{saved}, this run's {now}")
 
 
 def _remove_quietly(path: str) -> None:
@@ -404,13 +412,8 @@ def _resume(cfg, ckpt: CheckpointManager, state: TrainState) -> None:
 def _warn_about_the_kept_data_order(cfg, step_dir: str) -> None:
     """The resumed data loader goes on in the checkpoint's order: a changed data.shuffle or debug.seed would have
     no effect on it, which is said rather than left silent."""
-    try:
-        saved = read_job_config(step_dir)
-        was = {"data.shuffle": saved["data"]["shuffle"], "debug.seed": saved["debug"]["seed"]}
-    except (OSError, ValueError, KeyError, TypeError):
-        return
-    now = {"data.shuffle": cfg.data.shuffle, "debug.seed": cfg.debug.seed}
-    changed = [f"{key} {now[key]} (checkpoint: {was[key]})" for key in now if now[key] != was[key]]
+    changed = [f"{key} {now} (checkpoint: {was})"
+               for key, was, now in _changed_settings(cfg, step_dir, ("data.shuffle", "debug.seed"))]
     if changed:
         logger.warning(f"{', '.join(changed)}: the resumed data loader goes on in the checkpoint's order; to start "
                        "the data anew in the new order, add dataloader to checkpoint.exclude_from_loading")

@@ -29,6 +29,7 @@ from hybridtitan.data.config import Data  # noqa: E402
 from hybridtitan.data.megatron import MegatronWriter  # noqa: E402
 from hybridtitan.data.sources import load_hf_dataset  # noqa: E402
 from hybridtitan.data.tokenizer import build_tokenizer, encode_batch  # noqa: E402
+from hybridtitan.export_hf import fail as _fail  # noqa: E402
 
 BATCH = 1000
 
@@ -87,12 +88,11 @@ _OPTION_OF = {"data.path": "--dataset", "data.tokenizer": "--tokenizer", "data.t
 
 
 def fail(message: str) -> None:
-    """One line on stderr and exit status 2, as the trainer, export_hf and eval do for bad input."""
+    """One line on stderr and exit status 2 (export_hf's fail, as the other tools), in this script's options."""
     key, colon, rest = message.partition(":")
     if colon and key in _OPTION_OF:
         message = _OPTION_OF[key] + colon + rest
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    _fail(message)
 
 
 def main(argv=None) -> None:

@@ -81,8 +81,10 @@ def ours(dump: Path):
 
 
 def _cache(out):
-    """The cache of a forward's output: transformers 5.24 renamed the field past_key_values to cache."""
-    return out.cache if "cache" in out.__dataclass_fields__ else out.past_key_values
+    """The cache of a forward's output, under the field name of the installed transformers release."""
+    from hybridtitan.hf.modeling import _CACHE_FIELD
+
+    return getattr(out, _CACHE_FIELD)
 
 
 def tokens(shape, seed=0):

@@ -85,19 +85,7 @@ def test_kda_configs_of_three_or_more_stages_dropped_on_rocm(monkeypatch):
     hung KDA's backward on AMD GPUs), except where a kernel has no other; on CUDA it changes nothing."""
     import importlib
 
-    from triton.runtime.autotuner import Autotuner
-
-    def autotuners():
-        found = {}
-        for name in fla_backend.KDA_AUTOTUNED_MODULES:
-            for attr, kernel in vars(importlib.import_module(name)).items():
-                while not isinstance(kernel, Autotuner) and hasattr(kernel, "fn"):
-                    kernel = kernel.fn
-                if isinstance(kernel, Autotuner):
-                    found[f"{name}.{attr}"] = kernel
-        return found
-
-    kernels = autotuners()
+    kernels = fla_backend.autotuned_kernels(fla_backend.KDA_AUTOTUNED_MODULES)
     saved = {name: list(k.configs) for name, k in kernels.items()}
     assert any(c.num_stages > 2 for configs in saved.values() for c in configs)
     try:

@@ -35,21 +35,29 @@ ROCM_KDA_MAX_STAGES = 2
 KDA_AUTOTUNED_MODULES = ("fla.ops.kda.chunk_bwd", "fla.ops.kda.chunk_intra", "fla.ops.kda.wy_fast")
 
 
-def limit_num_stages(module_names, max_stages: int) -> int:
-    """Drops the autotune configs of more than ``max_stages`` stages from every autotuned kernel of these modules
-    (a kernel left with none keeps its own); returns how many were dropped."""
+def autotuned_kernels(module_names) -> dict:
+    """Every autotuned Triton kernel of these modules, by "module.name": its Autotuner."""
     from triton.runtime.autotuner import Autotuner
 
-    dropped = 0
+    found = {}
     for name in module_names:
-        for kernel in vars(importlib.import_module(name)).values():
+        for attr, kernel in vars(importlib.import_module(name)).items():
             while not isinstance(kernel, Autotuner) and hasattr(kernel, "fn"):  # under triton.heuristics
                 kernel = kernel.fn
             if isinstance(kernel, Autotuner):
-                keep = [c for c in kernel.configs if (c.num_stages or 0) <= max_stages]
-                if keep and len(keep) < len(kernel.configs):
-                    dropped += len(kernel.configs) - len(keep)
-                    kernel.configs = keep
+                found[f"{name}.{attr}"] = kernel
+    return found
+
+
+def limit_num_stages(module_names, max_stages: int) -> int:
+    """Drops the autotune configs of more than ``max_stages`` stages from every autotuned kernel of these modules
+    (a kernel left with none keeps its own); returns how many were dropped."""
+    dropped = 0
+    for kernel in autotuned_kernels(module_names).values():
+        keep = [c for c in kernel.configs if (c.num_stages or 0) <= max_stages]
+        if keep and len(keep) < len(kernel.configs):
+            dropped += len(kernel.configs) - len(keep)
+            kernel.configs = keep
     return dropped
 
 
