@@ -23,7 +23,7 @@ import warnings
 from lm_eval.api.model import TemplateLM
 
 from hybridtitan.errors import first_error_line
-from hybridtitan.export_hf import OneLineParser, fail
+from hybridtitan.cli import OneLineParser, fail
 
 logger = logging.getLogger("hybridtitan")
 

@@ -21,8 +21,9 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import warnings
+
+from hybridtitan.cli import OneLineParser, fail, parse_size
 
 DTYPES = ("bfloat16", "float32", "float16")
 FORMATS = ("auto", "fla", "hybridtitan")
@@ -130,28 +131,6 @@ def _portable_tokenizer_config(folder: str) -> None:
         f.write("\n")
 
 
-def parse_size(text: str) -> int:
-    """'5GB', '500MB', '10KB' (powers of ten, as Hugging Face) or a number of bytes."""
-    units = {"GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
-    t = text.strip().upper()
-    unit = next((u for u in units if t.endswith(u)), "")
-    try:
-        size = int(float(t[: len(t) - len(unit)]) * units.get(unit, 1))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 500MB or bytes)") from None
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
-    return size
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line on stderr ("error: ..."), exit code 2."""
-
-    def error(self, message):
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m hybridtitan.export_hf", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, help="a DCP step folder, checkpoint folder or dump folder")
@@ -164,11 +143,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_shard_size", type=parse_size, default=None, help="shard past this size (default 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     return p
-
-
-def fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,7 +20,7 @@ import re
 import shutil
 import warnings
 
-from hybridtitan.export_hf import OneLineParser, fail
+from hybridtitan.cli import OneLineParser, fail
 
 
 def _has_tokenizer(folder: str) -> bool:

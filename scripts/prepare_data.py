@@ -29,7 +29,7 @@ from hybridtitan.data.config import Data  # noqa: E402
 from hybridtitan.data.megatron import MegatronWriter  # noqa: E402
 from hybridtitan.data.sources import load_hf_dataset  # noqa: E402
 from hybridtitan.data.tokenizer import build_tokenizer, encode_batch  # noqa: E402
-from hybridtitan.export_hf import fail as _fail  # noqa: E402
+from hybridtitan.cli import fail as _fail  # noqa: E402
 
 BATCH = 1000
 
