@@ -137,17 +137,15 @@ def _model_subsection(name: str, overrides_cls):
             for f in fields(overrides_cls)]
 
 
-def help_text(usage: str) -> str:
-    from torchtitan.config import JobConfig as TitanJobConfig
-
-    from hybridtitan.config import SUPPORTED_TITAN_KEYS, JobConfig, _Extension
-
+def help_text(usage: str, job_config_cls, titan_cls, extension_cls, supported: dict[str, set[str]]) -> str:
+    """The --help page: ``usage``, then every key hybridtitan reads (of the merged ``job_config_cls``: the
+    ``supported`` keys of torchtitan's ``titan_cls``, and all of ``extension_cls``'s)."""
     out = [usage.rstrip(), "",
            "Every key below can be set in a recipe's [section] or overridden on the command line as",
            "--section.key value (booleans also as --section.flag / --section.no_flag; lists comma-separated).",
            "--job.print_config prints the merged configuration. torchtitan's other options are refused when set.",
            "The defaults are those without a recipe; a recipe (train_configs/*.toml) sets most of them.", ""]
-    for section, rows in _entries(JobConfig, TitanJobConfig, _Extension, SUPPORTED_TITAN_KEYS):
+    for section, rows in _entries(job_config_cls, titan_cls, extension_cls, supported):
         out.append(f"[{section}]")
         for key, type_text, default, doc in rows:
             out.append(f"  --{key} ({type_text}; default: {default!r})" if default != "the flavor's"

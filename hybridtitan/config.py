@@ -32,6 +32,7 @@ except ModuleNotFoundError:  # Python 3.10
 from torchtitan.config import ConfigManager
 from torchtitan.config import JobConfig as TitanJobConfig
 
+from hybridtitan.cli_help import OVERRIDES, help_text
 from hybridtitan.data.config import Data, validate_data_config
 from hybridtitan.models import GDNArgs, KDAArgs, Mamba2Args, MLAArgs, ModelArgs, get_flavor
 from hybridtitan.models.pattern import pattern_from_ratio
@@ -321,9 +322,7 @@ def parse_config(args: list[str] | None = None, check_data: bool = True, usage: 
     supported keys, and exits."""
     args = list(sys.argv[1:] if args is None else args)
     if "--help" in args or "-h" in args:
-        from hybridtitan.cli_help import help_text
-
-        print(help_text(usage))
+        print(help_text(usage, JobConfig, TitanJobConfig, _Extension, SUPPORTED_TITAN_KEYS))
         raise SystemExit(0)
     toml = _load_toml(args)
     if toml is not None:
@@ -372,8 +371,6 @@ def _tyro_error_line(text: str) -> str:
     # tyro's wording for the common mistakes, in the words of the boolean check (_normalize_bools)
     choice = re.search(r"invalid choice '(.*)' for argument '(--[a-z0-9_.]+)'", text)
     if choice:
-        from hybridtitan.cli_help import OVERRIDES
-
         allowed = OVERRIDES.get(choice.group(2)[2:], (None,))[0]  # where hybridtitan accepts fewer than tyro lists
         if allowed:
             return f"{choice.group(2)} must be {allowed}, got '{choice.group(1)}'"

@@ -1,5 +1,6 @@
-"""Parallelism, applied from outside the model in a fixed order: activation checkpointing, torch.compile per
-sublayer, then FSDP2 ``fully_shard`` per sublayer and at the root.
+"""Parallelism, applied from outside the model in a fixed order: activation checkpointing, the fused residual
+kernels where the model's kernel config asks for them (hybridtitan.ops.residual), torch.compile per sublayer,
+then FSDP2 ``fully_shard`` per sublayer and at the root.
 
 Data parallelism only: FSDP over a 1-D mesh, or HSDP over a (replicate, shard) mesh. The mesh is built here
 rather than with torchtitan's ParallelDims, which assumes a GPU (it asks for a "cuda" mesh on a CPU machine).
@@ -15,6 +16,8 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from hybridtitan.ops.residual import fuse_residual_adds
 
 logger = logging.getLogger("hybridtitan")
 
@@ -58,8 +61,6 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1, 
     step = 1 if mode == "full" else every
     for i, layer in enumerate(model.layers):
         if i % step == 0:
-            # its saved input is then the stream alone, not the stream and the previous output (Sublayer)
-            layer.fuse_residual_add = False
             model.layers[i] = (checkpoint_wrapper(layer, checkpoint_fn=checkpoint_fn) if checkpoint_fn is not None
                                else checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                                        preserve_rng_state=False))
@@ -70,7 +71,6 @@ def remove_activation_checkpointing(model: nn.Module) -> None:
     for i, layer in enumerate(model.layers):
         inner = getattr(layer, "_checkpoint_wrapped_module", None)
         if inner is not None:
-            inner.fuse_residual_add = True
             model.layers[i] = inner
 
 
@@ -109,9 +109,16 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
                 reshard_after_forward=reshard_after_forward_for(reshard_after_forward, None, n, shard_degree))
 
 
+def is_checkpointed(layer: nn.Module) -> bool:
+    return hasattr(layer, "_checkpoint_wrapped_module")
+
+
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, ac_mode: str, ac_every: int, compile_model: bool,
                 param_dtype: torch.dtype, reduce_dtype: torch.dtype, reshard_after_forward: str) -> nn.Module:
     apply_activation_checkpointing(model, ac_mode, ac_every)
+    if model.ops.config.fused_residual:
+        # a checkpointed sublayer keeps its input for the recomputation: one tensor, the stream summed
+        fuse_residual_adds(model.layers, fusable=lambda layer: not is_checkpointed(layer))
     if compile_model:
         apply_compile(model)
     apply_fsdp(model, mesh, param_dtype, reduce_dtype, reshard_after_forward)

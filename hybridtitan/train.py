@@ -3,11 +3,14 @@
     torchrun --nproc_per_node N -m hybridtitan.train --job.config_file train_configs/X.toml [--section.key value]
     python -m hybridtitan.train --job.config_file ...          (one process)
 
-Everything a run needs is checked before anything is written: a bad recipe, override, data path or tokenizer
-is one line on stderr and exit code 2, and no checkpoint is touched. On SIGTERM or Ctrl-C the loop finishes
-its step (or the next: the ranks learn of a stop one step late), saves a checkpoint and stops, so a preempted
-job resumes where it was. torchtitan's Trainer assumes a GPU; this loop runs on a CPU (gloo, float32) and on
-GPUs (NCCL/RCCL, bf16 parameters, fp32 reductions).
+    cfg = parse_config(argv)         one line on stderr, exit code 2, on any bad input; nothing written yet
+    plan = preflight(cfg)            data, tokenizer, model arguments, the start checkpoint chosen once
+    trainer = Trainer(cfg, plan)     process group -> model -> parallelize -> optimizer -> data -> checkpoint
+    trainer.train()                  for step: train_step -> maybe_log -> maybe_save -> should_stop
+
+On SIGTERM or Ctrl-C the loop finishes its step (or the next: the ranks learn of a stop one step late), saves a
+checkpoint and stops, so a preempted job resumes where it was. torchtitan's Trainer assumes a GPU; this loop runs
+on a CPU (gloo, float32) and on GPUs (NCCL/RCCL, bf16 parameters, fp32 reductions).
 """
 
 from __future__ import annotations
@@ -34,50 +37,26 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from hybridtitan import ops
-from hybridtitan.checkpoint import (
-    CheckpointError,
-    CheckpointManager,
-    complete_steps,
-    is_model_only,
-    load_model_args,
-    read_job_config,
-    resolve_checkpoint,
-)
-from hybridtitan.config import (
-    TRAIN_USAGE,
-    ConfigError,
-    compiles,
-    model_args,
-    parse_config,
-    selective_ac_interval,
-    to_dict,
-)
-from hybridtitan.data import build_dataloader, build_tokenizer
+from hybridtitan.checkpoint import CheckpointManager
+from hybridtitan.config import TRAIN_USAGE, ConfigError, compiles, parse_config, selective_ac_interval, to_dict
 from hybridtitan.data.config import recorded_path
 from hybridtitan.errors import DataError, first_error_line
 from hybridtitan.metrics import MetricsLogger
 from hybridtitan.models import build_model
 from hybridtitan.models.flops import flops_per_token, param_counts
-from hybridtitan.optim import (
-    SCHEDULE_KEYS,
-    apply_schedule,
-    build_lr_scheduler,
-    build_optimizer,
-    clip_grad_norm_,
-    reshape_schedule,
-    schedule_shape,
-)
-from hybridtitan.parallel import build_mesh, parallelize, resolve_data_parallel
+from hybridtitan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from hybridtitan.parallel import build_mesh, parallelize
+from hybridtitan.preflight import Plan, preflight
+from hybridtitan.resume import resume
 
 logger = logging.getLogger("hybridtitan")
 
-
-def _setup_logging(rank: int) -> None:
-    logging.basicConfig(format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
-                        level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout, force=True)
+MAX_CONSECUTIVE_SKIPS = 10
 
 
 class TrainState(Stateful):
+    """The loop's own counters, saved in every checkpoint."""
+
     def __init__(self):
         self.step = 0
         self.tokens_seen = 0
@@ -91,150 +70,112 @@ class TrainState(Stateful):
 
 
 @dataclasses.dataclass
-class Plan:
-    """What the checks before any side effect worked out."""
+class StepResult:
+    """One optimizer step, as device tensors (reading them would make the host wait for the GPU)."""
 
-    device: torch.device
-    world_size: int
-    dp: Any
-    grad_accum: int
-    tokenizer: Any
-    model_args: Any
-    dataloader: Any
-    seed: int
+    loss: torch.Tensor  # the mean loss of the step's tokens on this rank
+    grad_norm: torch.Tensor  # over all ranks, before clipping
+    applied: torch.Tensor  # bool: the update was made (the gradient norm was finite)
+    lr: float
 
 
-def preflight(cfg) -> Plan:
-    """Every check that can fail on the user's input, before a process group, a folder or a file is made."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    try:
-        dp = resolve_data_parallel(cfg.parallelism.data_parallel_replicate_degree,
-                                   cfg.parallelism.data_parallel_shard_degree, world_size)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    t = cfg.training
-    per_step = t.local_batch_size * dp.size
-    global_batch = per_step if t.global_batch_size == -1 else t.global_batch_size
-    if global_batch % per_step:
-        raise ConfigError(f"training.global_batch_size ({global_batch}) is not divisible by local_batch_size x "
-                          f"data-parallel size ({t.local_batch_size} x {dp.size} = {per_step})")
-    args = model_args(cfg)
-    tokenizer = None
-    if cfg.data.source != "mock":
-        try:
-            tokenizer = build_tokenizer(cfg.data.tokenizer)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    seed = 42 if cfg.debug.seed is None else cfg.debug.seed
-    try:  # only data parallelism: the data-parallel rank is the global rank
-        dataloader = build_dataloader(
-            cfg.data, tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
-            dp_rank=int(os.environ.get("RANK", "0")), dp_world_size=dp.size, seed=seed, vocab_size=args.vocab_size)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    _check_checkpoints(cfg, args)
-    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    return Plan(device, world_size, dp, global_batch // per_step, tokenizer, args, dataloader, seed)
+def kernel_config(cfg, device: torch.device) -> ops.KernelConfig:
+    """The recipe's kernel choices (compile.components, training.cuda_graphs) for this device."""
+    return ops.KernelConfig(
+        fused_residual=device.type == "cuda",  # the same sums; on CPUs there is no kernel to save
+        compiled_norms=compiles(cfg, "norm"), compiled_swiglu=compiles(cfg, "swiglu"),
+        compiled_loss=compiles(cfg, "loss"), cuda_graphs=cfg.training.cuda_graphs)
 
 
-def _check_checkpoints(cfg, args) -> None:
-    """The checkpoint a run would start from exists, holds this model and fits this run's data loader; a rewind
-    would not be undone later."""
-    folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
-    steps = complete_steps(folder)
-    if (cfg.checkpoint.enable and not steps and not cfg.checkpoint.initial_load_path
-            and os.path.isfile(os.path.join(folder, ".metadata"))):
-        # e.g. python -m hybridtitan.import_hf --output DUMP/checkpoint: training from scratch beside it would
-        # look like a resume that silently lost its weights
-        raise ConfigError(f"{folder} holds a checkpoint itself, not in a step-N folder: move it to "
-                          f"{os.path.join(folder, 'step-0')} to start from its weights (or name it in "
-                          "checkpoint.initial_load_path)")
-    start, model_only = None, False
-    if cfg.checkpoint.enable and cfg.checkpoint.load_step > 0:
-        try:
-            start = resolve_checkpoint(folder, cfg.checkpoint.load_step)
-        except ValueError as e:
-            raise ConfigError(f"checkpoint.load_step: {e}") from None
-        newer = [s for s in steps if s > cfg.checkpoint.load_step]
-        if newer:
-            raise ConfigError(f"checkpoint.load_step {cfg.checkpoint.load_step} is older than step(s) "
-                              f"{', '.join(map(str, newer))} in {folder}: move those folders away first (the next "
-                              "resume would return to them, and keep_latest_k would delete the new ones)")
-    elif cfg.checkpoint.enable and steps:
-        start, model_only = os.path.join(folder, f"step-{steps[-1]}"), steps[-1] == 0
-        # step 0 is a model-only starting point on purpose (import_hf); a later model-only step ends a run: taking
-        # it as the resume point would restart at step 0 below the older full checkpoints, and keep_latest_k would
-        # then delete the new ones
-        if steps[-1] > 0 and is_model_only(start):
-            raise ConfigError(f"{start} holds only the model (written by import_hf, or by "
-                              "checkpoint.last_save_model_only): a run cannot go on from it, only start from it as "
-                              "step-0. To train on from its weights, give it as checkpoint.initial_load_path with "
-                              "another job.dump_folder")
-    elif cfg.checkpoint.initial_load_path:
-        try:
-            start = resolve_checkpoint(cfg.checkpoint.initial_load_path)
-        except ValueError as e:
-            raise ConfigError(f"checkpoint.initial_load_path: {e}") from None
-        model_only = cfg.checkpoint.initial_load_model_only
-    if cfg.checkpoint.enable and steps and steps[-1] > 0 and "train_state" in cfg.checkpoint.exclude_from_loading:
-        raise ConfigError(f"checkpoint.exclude_from_loading: train_state restarts the step count at 0 in {folder}, "
-                          f"which holds step {steps[-1]}: the new checkpoints would sit below it (the next resume "
-                          "would return to it, and keep_latest_k would delete them). To train on from its weights, "
-                          "give it as checkpoint.initial_load_path with another job.dump_folder")
-    if start is not None:
-        try:
-            saved = load_model_args(start)
-        except CheckpointError as e:  # load_model_args turns every read or parse failure into one
-            raise ConfigError(f"{start} is not a hybridtitan checkpoint: {first_error_line(e)}") from None
-        if saved != args:
-            diff = [f.name for f in dataclasses.fields(args) if getattr(saved, f.name) != getattr(args, f.name)]
-            raise ConfigError(f"{start} holds a different model than the recipe (differs in: model."
-                              f"{', model.'.join(diff)}); use another job.dump_folder or the checkpoint's model")
-        if not model_only and "dataloader" not in cfg.checkpoint.exclude_from_loading and not is_model_only(start):
-            _check_the_loaders_workers(cfg, start)
+def build_parallel_model(args, mesh, device: torch.device, *, kernels: ops.Kernels = ops.DEFAULT,
+                         ac_mode: str = "none", ac_every: int = 1, compile_model: bool = False,
+                         param_dtype: torch.dtype = torch.float32, reshard_after_forward: str = "default"):
+    """The training model: initialised whole from the seed, then wrapped from outside (hybridtitan.parallel).
+
+    Initialising before sharding makes the initial weights independent of the number of ranks (random ops on
+    sharded CPU tensors would repeat the same numbers in every shard). The benchmark builds its models here too.
+    """
+    model = build_model(args, "meta", kernels)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights()
+    parallelize(model, mesh, ac_mode=ac_mode, ac_every=ac_every, compile_model=compile_model,
+                param_dtype=param_dtype, reduce_dtype=torch.float32, reshard_after_forward=reshard_after_forward)
+    return model.train()
 
 
-def _changed_settings(cfg, step_dir: str, keys: tuple[str, ...]) -> list[tuple[str, object, object]]:
-    """The job-config keys ("section.name") whose value in the step folder's job config differs from this run's, as
-    (key, the checkpoint's, this run's); none where it has no job config to compare with (written by other tools)."""
-    try:
-        saved = read_job_config(step_dir)
-        was = {key: saved[key.split(".")[0]][key.split(".")[1]] for key in keys}
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
-    now = {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in keys}
-    return [(key, was[key], now[key]) for key in keys if was[key] != now[key]]
+class HostReports:
+    """What the host learns of each step, one step late: its gradient norm, and whether a stop was asked for on
+    any rank. A value read at once (``.item()``, ``bool()``) makes the host wait until the GPU has run everything
+    queued, and the GPU then idles while the host prepares the next step (data, optimizer, launches). Here the two
+    numbers travel in one small non-blocking copy, read after the next step is queued, when the copy is long done;
+    the ranks' stop flags are all-reduced in the same stream, so every rank reads the same flag for the same step.
+    Reading a report counts a skipped update and sets ``stopping``."""
+
+    def __init__(self, device: torch.device, state: TrainState):
+        self.state = state
+        self.stopping = False
+        self.consecutive_skips = 0
+        self._pending: tuple[int, torch.Tensor, Any] | None = None
+        # filled in place: a new tensor from a Python value would be a blocking host-to-device copy
+        self._flag = torch.zeros(1, device=device)
+        self._host = torch.empty(2, pin_memory=True) if device.type == "cuda" else None
+
+    def send(self, step: int, grad_norm: torch.Tensor, stop_requested: bool) -> None:
+        """This step's report, after reading the previous one (whose host buffer is reused)."""
+        self.read()
+        self._flag.fill_(float(stop_requested))
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
+        values = torch.cat([grad_norm.detach().float().reshape(1), self._flag])
+        event = None
+        if self._host is not None:
+            self._host.copy_(values, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            values = self._host
+        self._pending = (step, values, event)
+
+    def read(self) -> None:
+        """Reads the last report sent, if not read yet (waiting for its copy if needed)."""
+        if self._pending is None:
+            return
+        step, values, event = self._pending
+        self._pending = None
+        if event is not None:
+            event.synchronize()
+        grad_norm, stop = values.tolist()
+        self.stopping = self.stopping or stop > 0
+        if math.isfinite(grad_norm):
+            self.consecutive_skips = 0
+            return
+        self.state.skipped_steps += 1
+        self.consecutive_skips += 1
+        logger.warning(f"step {step}: non-finite gradient norm {grad_norm}, update skipped")
+        if self.consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
+            raise FloatingPointError(f"{self.consecutive_skips} consecutive steps had non-finite gradients; "
+                                     f"stopping at step {step} (the last checkpoint is intact)")
 
 
-def _check_the_loaders_workers(cfg, start: str) -> None:
-    """A loader's state holds one position per worker: it loads only into the same data.num_workers. Said before
-    loading, since DCP and the loader refuse others in ways that name neither (a bare assertion, for one)."""
-    for _, saved, now in _changed_settings(cfg, start, ("data.num_workers",)):
-        raise ConfigError(f"cannot resume from {start}: {_OTHER_WORKERS}: the checkpoint's data.num_workers is "
-                          f"{saved}, this run's {now}")
+class LogWindow:
+    """The steps since the last log line: their summed loss (applied steps only) and wall time."""
+
+    def __init__(self, step: int):
+        self.start_step, self.start_time = step, time.perf_counter()
+        self.loss_sum: torch.Tensor | None = None
+        self.counted: torch.Tensor | None = None
+
+    def add(self, result: StepResult) -> None:
+        loss = torch.where(result.applied, result.loss, torch.zeros_like(result.loss))
+        self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+        applied = result.applied.float()
+        self.counted = applied if self.counted is None else self.counted + applied
+
+    def has_applied_steps(self) -> bool:
+        return self.counted is not None and self.counted.item() > 0
 
 
-def _remove_quietly(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.remove(path)
-
-
-def _init_distributed(plan: Plan, cfg) -> None:
-    backend = "nccl" if plan.device.type == "cuda" else "gloo"  # NCCL is RCCL on ROCm builds
-    kwargs = {"backend": backend, "timeout": datetime.timedelta(seconds=cfg.comm.init_timeout_seconds)}
-    if "RANK" not in os.environ:
-        # one process without torchrun: a group of one, so the sharded (FSDP) code path is the same
-        store = tempfile.NamedTemporaryFile(prefix="hybridtitan-pg-", delete=False).name
-        atexit.register(_remove_quietly, store)  # the store is needed while the group lives, not after
-        kwargs.update(init_method=f"file://{store}", rank=0, world_size=1)
-    if plan.device.type == "cuda":
-        torch.cuda.set_device(plan.device)
-    dist.init_process_group(**kwargs)
-
-
-class _StopRequest:
-    """SIGTERM / SIGINT: finish the step (the ranks agree on it a step later, _StepReports), save, exit."""
+class StopRequest:
+    """SIGTERM / SIGINT: finish the step (the ranks agree on it a step later, HostReports), save, exit."""
 
     def __init__(self):
         self.requested = False
@@ -248,278 +189,197 @@ class _StopRequest:
         logger.warning(f"signal {signum}: saving a checkpoint after this step or the next, then stopping")
 
 
-def _set_allocator(cfg, device: torch.device) -> None:
-    if device.type == "cuda" and cfg.training.expandable_segments:
-        # from the recipe, before the first allocation; fragmentation otherwise costs the larger batches
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+class ResumeError(Exception):
+    """The chosen checkpoint could not be loaded into this run (said in one line, exit code 2)."""
 
 
-def build_parallel_model(args, mesh, device: torch.device, *, ac_mode: str = "none", ac_every: int = 1,
-                         compile_model: bool = False, param_dtype: torch.dtype = torch.float32,
-                         reshard_after_forward: str = "default"):
-    """The training model: initialised whole from the seed, then wrapped (AC -> compile -> FSDP2).
+class Trainer:
+    """A training run: built from a checked config, then ``train()``."""
 
-    Initialising before sharding makes the initial weights independent of the number of ranks (random ops on
-    sharded CPU tensors would repeat the same numbers in every shard). The benchmark builds its models here too.
-    """
-    model = build_model(args, "meta")
-    model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_weights()
-    parallelize(model, mesh, ac_mode=ac_mode, ac_every=ac_every, compile_model=compile_model,
-                param_dtype=param_dtype, reduce_dtype=torch.float32, reshard_after_forward=reshard_after_forward)
-    return model.train()
+    def __init__(self, cfg, plan: Plan):
+        self.cfg, self.plan, self.device = cfg, plan, plan.device
+        t = cfg.training
+        if self.device.type == "cuda" and t.expandable_segments:
+            # from the recipe, before the first allocation; fragmentation otherwise costs the larger batches
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        init_distributed(self.device, cfg.comm.init_timeout_seconds)
+        self.rank = dist.get_rank()
+        setup_logging(self.rank)
+        torch.manual_seed(plan.seed)
+        if cfg.debug.deterministic:
+            torch.use_deterministic_algorithms(True)
 
+        # the model
+        args = plan.model_args
+        self.flops_per_token = flops_per_token(args, t.seq_len)["total"]
+        self._describe_run()
+        on_gpu = self.device.type == "cuda"
+        if not on_gpu and t.mixed_precision_param != "float32":
+            logger.info("CPU: parameters and activations in float32 (training.mixed_precision_param applies to GPUs)")
+        self.model = build_parallel_model(
+            args, build_mesh(plan.dp, self.device.type), self.device,
+            kernels=ops.Kernels(kernel_config(cfg, self.device)), ac_mode=cfg.activation_checkpoint.mode,
+            ac_every=selective_ac_interval(cfg), compile_model=compiles(cfg, "model"),
+            param_dtype=getattr(torch, t.mixed_precision_param) if on_gpu else torch.float32,
+            reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward)
+        if t.cuda_graphs and cfg.data.document_boundaries:
+            logger.warning("training.cuda_graphs: with packed documents (data.document_boundaries) the mixers run "
+                           "eagerly; only whole sequences are replayed from CUDA graphs")
 
-def train(cfg, plan: Plan) -> dict:
-    device = plan.device
-    _set_allocator(cfg, device)
-    _init_distributed(plan, cfg)
-    rank = dist.get_rank()
-    _setup_logging(rank)
-    dp = plan.dp
-    dp_rank = rank  # the data-parallel rank: only data parallelism, so it is the global rank
-    torch.manual_seed(plan.seed)
-    if cfg.debug.deterministic:
-        torch.use_deterministic_algorithms(True)
+        # the optimizer, the data, the checkpoints
+        self.optimizer = build_optimizer(self.model, cfg)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
+        self.dataloader = plan.dataloader
+        self.state = TrainState()
+        self.job_dict = to_dict(cfg)
+        self.job_dict["data"]["tokenizer"] = recorded_path(cfg.data.tokenizer)  # export/eval may run elsewhere
+        c = cfg.checkpoint
+        self.checkpointer = CheckpointManager(
+            os.path.join(cfg.job.dump_folder, c.folder), model=self.model, optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, train_state=self.state,
+            dp_rank=self.rank, dp_world_size=plan.dp.size, model_args=args, job_config=self.job_dict,
+            interval=c.interval, keep_latest_k=c.keep_latest_k, async_mode=c.async_mode, enable=c.enable,
+            first_step=c.enable_first_step_checkpoint, exclude_from_loading=tuple(c.exclude_from_loading))
+        try:
+            resume(cfg, plan.start, self.checkpointer, self.state)
+            self.batches = iter(self.dataloader)  # where the loader applies its resumed state (and refuses one)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 -- DCP's errors, or the loader's
+            logger.debug("resume failed", exc_info=True)
+            raise ResumeError(f"cannot resume from the checkpoint: {first_error_line(e)}") from e
+        self.start_step = self.state.step
 
-    args = plan.model_args
-    counts = param_counts(args)
-    fpt = flops_per_token(args, cfg.training.seq_len)["total"]
-    logger.info(f"model {cfg.model.flavor}: pattern {args.pattern} ({args.mixer}), {counts['total']:,} parameters "
-                f"({counts['non_embedding']:,} non-embedding), {fpt / 1e9:.3f} GFLOP/token (training)")
-    logger.info(f"{plan.world_size} rank(s) on {device.type}: data parallel replicate {dp.replicate} x shard "
-                f"{dp.shard}, local batch {cfg.training.local_batch_size} x seq {cfg.training.seq_len}, "
-                f"gradient accumulation {plan.grad_accum}")
+        # what the run shows
+        if self.rank == 0:
+            os.makedirs(cfg.job.dump_folder, exist_ok=True)
+            with open(os.path.join(cfg.job.dump_folder, "job_config.json"), "w") as f:
+                json.dump(self.job_dict, f, indent=2, default=str)
+            if cfg.job.print_config:
+                logger.info("config:\n" + json.dumps(self.job_dict, indent=2, default=str))
+        self.metrics = MetricsLogger(
+            cfg.job.dump_folder, rank=self.rank, total_steps=t.steps, flops_per_token=self.flops_per_token,
+            device=self.device, enable_tensorboard=cfg.metrics.enable_tensorboard,
+            tb_folder=cfg.metrics.save_tb_folder, enable_wandb=cfg.metrics.enable_wandb, job_config=self.job_dict,
+            start_step=self.state.step)
+        self.stop = StopRequest()
+        self.reports = HostReports(self.device, self.state)
+        self.window = LogWindow(self.state.step)
+        self.tokens_per_step_local = t.local_batch_size * t.seq_len * plan.grad_accum
+        self.last_logged: dict = {}
 
-    mesh = build_mesh(dp, device.type)
-    on_gpu = device.type == "cuda"
-    param_dtype = getattr(torch, cfg.training.mixed_precision_param) if on_gpu else torch.float32
-    if not on_gpu and cfg.training.mixed_precision_param != "float32":
-        logger.info("CPU: parameters and activations in float32 (training.mixed_precision_param applies to GPUs)")
-    if on_gpu and args.mixer == "mamba2":
-        from hybridtitan.ops.fla_backend import MIN_TRAINED_HEAD_DIM
+    def _describe_run(self) -> None:
+        cfg, plan, args = self.cfg, self.plan, self.plan.model_args
+        counts = param_counts(args)
+        logger.info(f"model {cfg.model.flavor}: pattern {args.pattern} ({args.mixer}), {counts['total']:,} "
+                    f"parameters ({counts['non_embedding']:,} non-embedding), {self.flops_per_token / 1e9:.3f} "
+                    "GFLOP/token (training)")
+        logger.info(f"{plan.world_size} rank(s) on {self.device.type}: data parallel replicate {plan.dp.replicate} x "
+                    f"shard {plan.dp.shard}, local batch {cfg.training.local_batch_size} x seq "
+                    f"{cfg.training.seq_len}, gradient accumulation {plan.grad_accum}")
+        if self.device.type == "cuda" and args.mixer == "mamba2":
+            from hybridtitan.ops.fla_backend import MIN_TRAINED_HEAD_DIM
 
-        if min(args.mamba2.d_state, args.mamba2.head_dim) < MIN_TRAINED_HEAD_DIM:
-            # handled (and checked on an H200), but the padding costs compute worth knowing about
-            logger.info("Mamba2 with d_state %d, head_dim %d: FLA's simple-GLA backward faulted or was wrong "
-                        "below %d on an H200, so smaller dims are padded to it in training "
-                        "(hybridtitan.ops.fla_backend; docs/benchmarks.md)",
-                        args.mamba2.d_state, args.mamba2.head_dim, MIN_TRAINED_HEAD_DIM)
-    model = build_parallel_model(args, mesh, device, ac_mode=cfg.activation_checkpoint.mode,
-                                 ac_every=selective_ac_interval(cfg),
-                                 compile_model=compiles(cfg, "model"),
-                                 param_dtype=param_dtype,
-                                 reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward)
-    # the elementwise part of each cross-entropy chunk through torch.compile; otherwise our Triton kernel on GPUs
-    ops.compile_loss(compiles(cfg, "loss"))
-    ops.compile_norms(compiles(cfg, "norm"))  # RMSNorm and the residual add before it
-    ops.compile_swiglu(compiles(cfg, "swiglu"))  # the MLPs' silu(gate) * up, forward and backward
-    ops.use_cuda_graphs(cfg.training.cuda_graphs)
-    if cfg.training.cuda_graphs and cfg.data.document_boundaries:
-        logger.warning("training.cuda_graphs: with packed documents (data.document_boundaries) the mixers run "
-                       "eagerly; only whole sequences are replayed from CUDA graphs")
+            if min(args.mamba2.d_state, args.mamba2.head_dim) < MIN_TRAINED_HEAD_DIM:
+                # handled (and checked on an H200), but the padding costs compute worth knowing about
+                logger.info("Mamba2 with d_state %d, head_dim %d: FLA's simple-GLA backward faulted or was wrong "
+                            "below %d on an H200, so smaller dims are padded to it in training "
+                            "(hybridtitan.ops.fla_backend)", args.mamba2.d_state, args.mamba2.head_dim,
+                            MIN_TRAINED_HEAD_DIM)
 
-    optimizer = build_optimizer(model, cfg)
-    lr_scheduler = build_lr_scheduler(optimizer, cfg)
-    dataloader = plan.dataloader
-    state = TrainState()
-    job_dict = to_dict(cfg)
-    job_dict["data"]["tokenizer"] = recorded_path(cfg.data.tokenizer)  # export/eval may run from elsewhere
-    ckpt = CheckpointManager(
-        os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder), model=model, optimizer=optimizer,
-        lr_scheduler=lr_scheduler, dataloader=dataloader, train_state=state, dp_rank=dp_rank,
-        dp_world_size=dp.size, model_args=args, job_config=job_dict, interval=cfg.checkpoint.interval,
-        keep_latest_k=cfg.checkpoint.keep_latest_k,
-        async_mode=cfg.checkpoint.async_mode, enable=cfg.checkpoint.enable,
-        first_step=cfg.checkpoint.enable_first_step_checkpoint,
-        exclude_from_loading=tuple(cfg.checkpoint.exclude_from_loading))
-    try:
-        _resume(cfg, ckpt, state)
-        data_iter = iter(dataloader)  # where the loader applies its resumed state (and refuses one of other data)
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 -- e.g. a checkpoint of other data or workers
-        logger.debug("resume failed", exc_info=True)
-        if rank == 0:
-            message = first_error_line(e)
-            if "dataloader." in message:  # DCP naming a loader key it lacks: another data.num_workers
-                message = f"{_OTHER_WORKERS} [{message}]"
-            print(f"error: cannot resume from the checkpoint: {message}", file=sys.stderr)
-        dist.destroy_process_group()
-        sys.exit(2)
+    # ------------------------------------------------------------------------------------------------ the loop
 
-    if rank == 0:
-        os.makedirs(cfg.job.dump_folder, exist_ok=True)
-        with open(os.path.join(cfg.job.dump_folder, "job_config.json"), "w") as f:
-            json.dump(job_dict, f, indent=2, default=str)
-        if cfg.job.print_config:
-            logger.info("config:\n" + json.dumps(job_dict, indent=2, default=str))
-    metrics = MetricsLogger(
-        cfg.job.dump_folder, rank=rank, total_steps=cfg.training.steps, flops_per_token=fpt, device=device,
-        enable_tensorboard=cfg.metrics.enable_tensorboard, tb_folder=cfg.metrics.save_tb_folder,
-        enable_wandb=cfg.metrics.enable_wandb, job_config=job_dict, start_step=state.step)
-    stop = _StopRequest()
-    last, finished, data_error = {}, False, None
-    try:
-        last = _loop(cfg, plan, model, optimizer, lr_scheduler, data_iter, state, ckpt, metrics, stop, device)
-        finished = True
-    except DataError as e:  # bad data is bad input: one line (from each rank that met it), not a traceback
-        data_error = first_error_line(e)
-    finally:
-        ckpt.close()
-        metrics.close()
-        if finished:  # after an error on this rank the others may never reach it: exit now, torchrun stops them
+    def train(self) -> dict:
+        """Trains to training.steps (or a stop request); returns the last logged metrics."""
+        t = self.cfg.training
+        gc.disable()
+        gc.collect()
+        with profiler(self.cfg) as prof:
+            for step in range(self.state.step + 1, t.steps + 1):
+                self.state.step = step
+                result = self.train_step()
+                self.window.add(result)
+                if prof is not None:
+                    prof.step()
+                # the previous step's report is read now that this one is queued; this step's goes out
+                self.reports.send(step, result.grad_norm, self.stop.requested)
+                log_due, save_due = self.log_due(step), self.checkpointer.should_save(step, last=step == t.steps)
+                if log_due or save_due or self.reports.stopping:
+                    self.reports.read()  # the counters and the stop flag must include this step
+                self.maybe_log(step, result, due=log_due)
+                if step % t.gc_freq == 0:
+                    gc.collect()
+                self.maybe_save(step, due=save_due)
+                if self.should_stop(step):
+                    break
+        return self.last_logged
+
+    def train_step(self) -> StepResult:
+        """One optimizer step over the step's micro-batches: forward, backward, clip, update."""
+        t, device, accum = self.cfg.training, self.device, self.plan.grad_accum
+        loss_total = torch.zeros((), device=device)
+        for _ in range(accum):
+            batch = next(self.batches)
+            input_ids = batch["input_ids"].to(device, non_blocking=True)
+            labels = batch["labels"].to(device, non_blocking=True)
+            cu = batch.get("cu_seqlens")
+            cu = cu.to(device, non_blocking=True) if cu is not None else None
+            loss_sum, count = self.model(input_ids, labels=labels, cu_seqlens=cu, loss_chunk_size=t.loss_chunk_size,
+                                         reduction="sum")
+            loss = loss_sum / count.clamp(min=1) / accum
+            loss.backward()
+            loss_total += loss.detach()
+        grad_norm = clip_grad_norm_(self.model.parameters(), t.max_norm)
+        # the gradient norm is already reduced over all ranks, so every rank makes the same choice
+        applied = optimizer_step(self.optimizer, grad_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.tokens_seen += self.tokens_per_step_local * self.plan.dp.size
+        return StepResult(loss_total, grad_norm, applied, lr)
+
+    def log_due(self, step: int) -> bool:
+        """Every metrics.log_freq steps, the last, and the first (the initial loss and the start-up cost) of the
+        run and of a resume."""
+        return step % self.cfg.metrics.log_freq == 0 or step in (1, self.cfg.training.steps, self.start_step + 1)
+
+    def maybe_log(self, step: int, result: StepResult, due: bool) -> None:
+        """The log window's mean loss, the step's gradient norm and rate, speed, memory: at a due step or a stop."""
+        if not (due or self.reports.stopping) or not self.window.has_applied_steps():
+            return
+        w = self.window
+        mean_loss = w.loss_sum / w.counted
+        dist.all_reduce(mean_loss)  # a sum (gloo has no average)
+        mean_loss /= dist.get_world_size()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the window's wall time includes its GPU work
+        self.last_logged = self.metrics.log(
+            step, loss=mean_loss.item(), grad_norm=result.grad_norm.item(), lr=result.lr,
+            tokens_per_step=self.tokens_per_step_local, window_steps=step - w.start_step,
+            window_time=time.perf_counter() - w.start_time, tokens_seen=self.state.tokens_seen,
+            skipped_steps=self.state.skipped_steps)
+        self.window = LogWindow(step)
+
+    def maybe_save(self, step: int, due: bool) -> None:
+        """A checkpoint at a due step (checkpoint.interval, the last) or a stop."""
+        if due or self.reports.stopping:
+            last = step == self.cfg.training.steps
+            self.checkpointer.save(step, model_only=last and self.cfg.checkpoint.last_save_model_only)
+
+    def should_stop(self, step: int) -> bool:
+        if self.reports.stopping:
+            logger.warning(f"stopped at step {step} on request")
+        return self.reports.stopping
+
+    def close(self, finished: bool) -> None:
+        """Waits for a background save and closes the metrics; after a finished run, the ranks leave together
+        (after an error on this rank the others may never get there: it leaves at once, torchrun stops them)."""
+        self.checkpointer.close()
+        self.metrics.close()
+        if finished:
             dist.barrier()
         dist.destroy_process_group()
-    if data_error is not None:
-        print(f"error: {data_error}", file=sys.stderr)
-        sys.exit(2)
-    return last
 
 
-_OTHER_WORKERS = ("its data loader state does not fit this run's loader: it needs the data.num_workers of the run "
-                  "that saved it (checkpoint.exclude_from_loading = [\"dataloader\"] starts the data afresh)")
-
-
-def _resume(cfg, ckpt: CheckpointManager, state: TrainState) -> None:
-    latest = ckpt.latest_step() if cfg.checkpoint.enable else None
-    step_dir, model_only = None, False
-    if cfg.checkpoint.enable and cfg.checkpoint.load_step > 0:
-        step_dir = resolve_checkpoint(ckpt.folder, cfg.checkpoint.load_step)
-        said = f"resumed from {step_dir}"
-    elif latest is not None:
-        # a step-0 folder is a model-only starting point (python -m hybridtitan.import_hf writes one)
-        step_dir, model_only = os.path.join(ckpt.folder, f"step-{latest}"), latest == 0
-        said = f"resumed from {ckpt.folder}/step-{latest}"
-        if cfg.checkpoint.initial_load_path:
-            logger.warning(f"checkpoint.initial_load_path {cfg.checkpoint.initial_load_path} is ignored: the run's "
-                           f"own checkpoint folder holds step {latest}, and a run resumes from its own first")
-    elif cfg.checkpoint.initial_load_path:
-        step_dir = resolve_checkpoint(cfg.checkpoint.initial_load_path)
-        model_only = cfg.checkpoint.initial_load_model_only
-        said = f"initialised from {step_dir}" + (" (model only)" if model_only else "")
-    if step_dir is None:
-        return _warn_about_resumed_values(cfg, ckpt, state)
-    ckpt.load(step_dir, model_only=model_only)
-    logger.info(said + ("" if model_only else f" (step {state.step})"))
-    if state.step > 0 and "lr_scheduler" not in cfg.checkpoint.exclude_from_loading:
-        _keep_the_checkpoints_schedule(cfg, ckpt, step_dir)
-    apply_schedule(ckpt.lr_scheduler)  # the rates of the schedule in force, whichever parts were loaded
-    if state.step > 0 and "dataloader" not in cfg.checkpoint.exclude_from_loading:
-        _warn_about_the_kept_data_order(cfg, step_dir)
-    _warn_about_resumed_values(cfg, ckpt, state)
-
-
-def _warn_about_the_kept_data_order(cfg, step_dir: str) -> None:
-    """The resumed data loader goes on in the checkpoint's order: a changed data.shuffle or debug.seed would have
-    no effect on it, which is said rather than left silent."""
-    changed = [f"{key} {now} (checkpoint: {was})"
-               for key, was, now in _changed_settings(cfg, step_dir, ("data.shuffle", "debug.seed"))]
-    if changed:
-        logger.warning(f"{', '.join(changed)}: the resumed data loader goes on in the checkpoint's order; to start "
-                       "the data anew in the new order, add dataloader to checkpoint.exclude_from_loading")
-
-
-_NEW_SCHEDULE = '(checkpoint.exclude_from_loading = ["lr_scheduler"] starts a new one)'
-
-
-def _keep_the_checkpoints_schedule(cfg, ckpt: CheckpointManager, step_dir: str) -> None:
-    """A resumed schedule goes on as it was saved: its step and rates come from the checkpoint, and so does its
-    shape (warm-up, length, decay), which follows the recipe's values. Changed values (a longer run whose schedule
-    follows training.steps, say) would otherwise bend it mid-way: the rate could jump back up tenfold. The shape in
-    force is recorded in the job config of the checkpoints that follow."""
-    try:
-        saved = read_job_config(step_dir)
-        saved_shape = schedule_shape(saved["lr_scheduler"], saved["training"]["steps"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # a checkpoint without its job config (written by other tools): nothing to compare with
-    shape = schedule_shape(ckpt.job_config["lr_scheduler"], cfg.training.steps)
-    if saved_shape == shape:
-        return
-    changed = ", ".join(f"{key} {shape[key]} (checkpoint: {saved_shape[key]})"
-                        for key in SCHEDULE_KEYS if shape[key] != saved_shape[key])
-    logger.warning(f"lr_scheduler: {changed}: the checkpoint's schedule goes on, held past its end {_NEW_SCHEDULE}")
-    kept = dataclasses.replace(cfg.lr_scheduler, **saved_shape)
-    reshape_schedule(ckpt.lr_scheduler, kept)
-    cfg.lr_scheduler = kept
-    ckpt.job_config["lr_scheduler"].update(saved_shape)
-
-
-def _warn_about_resumed_values(cfg, ckpt: CheckpointManager, state: TrainState) -> None:
-    """What a resume takes from the checkpoint over the recipe, said where the two differ."""
-    if state.step >= cfg.training.steps:
-        logger.warning(f"the checkpoint is at step {state.step} and training.steps is {cfg.training.steps}: nothing "
-                       "to train (raise training.steps to go on)")
-    saved = [lr for s in ckpt.lr_scheduler.schedulers for lr in s.base_lrs]
-    if state.step > 0 and any(not math.isclose(lr, cfg.optimizer.lr) for lr in saved):
-        logger.warning(f"optimizer.lr {cfg.optimizer.lr} differs from the resumed schedule's {saved[0]}: the "
-                       f"checkpoint's schedule goes on {_NEW_SCHEDULE}")
-
-
-def _profiler(cfg):
-    p = cfg.profiling
-    if not p.enable_profiling:
-        return contextlib.nullcontext(None)
-    folder = os.path.join(cfg.job.dump_folder, p.save_traces_folder)
-    rank = dist.get_rank()
-
-    def on_trace(prof):
-        os.makedirs(folder, exist_ok=True)
-        prof.export_chrome_trace(os.path.join(folder, f"rank{rank}_step{prof.step_num}.json"))
-        if rank == 0:
-            logger.info("profile: " + prof.key_averages().table(sort_by="self_device_time_total"
-                                                                if torch.cuda.is_available()
-                                                                else "self_cpu_time_total", row_limit=25))
-
-    wait = max(p.profile_freq - p.profiler_active - p.profiler_warmup, 0)
-    return torch.profiler.profile(
-        schedule=torch.profiler.schedule(wait=wait, warmup=p.profiler_warmup, active=p.profiler_active),
-        on_trace_ready=on_trace, record_shapes=True)
-
-
-MAX_CONSECUTIVE_SKIPS = 10
-
-
-class _StepReports:
-    """What the host learns about each step, one step late: its gradient norm and whether a stop was asked for on
-    any rank. A value read at once (``.item()``, ``bool()``) makes the host wait until the GPU has run everything
-    queued; the GPU then idles while the host prepares the next step (data, optimizer, launches). Two such reads
-    per step held the trainer 6-12% below the benchmark's tokens/s for the 300M recipes on an H200
-    (docs/benchmarks.md). Here the two numbers travel in one small non-blocking copy, read after the next step
-    is queued, when the copy is long done; the ranks' stop flags are all-reduced in the same stream, so every
-    rank reads the same flag for the same step."""
-
-    def __init__(self, device: torch.device):
-        self.pending: tuple[int, torch.Tensor, Any] | None = None
-        # filled in place: a new tensor from a Python value would be a blocking host-to-device copy
-        self.flag = torch.zeros(1, device=device)
-        self.host = torch.empty(2, pin_memory=True) if device.type == "cuda" else None
-
-    def push(self, step: int, grad_norm: torch.Tensor, stop_requested: bool) -> None:
-        """Called after the previous report was popped (its host buffer is reused)."""
-        self.flag.fill_(float(stop_requested))
-        dist.all_reduce(self.flag, op=dist.ReduceOp.MAX)
-        values = torch.cat([grad_norm.detach().float().reshape(1), self.flag])
-        event = None
-        if self.host is not None:
-            self.host.copy_(values, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            values = self.host
-        self.pending = (step, values, event)
-
-    def pop(self) -> tuple[int, float, bool] | None:
-        """(step, gradient norm, stop asked) of the last pushed step (waiting for its copy if needed), or None."""
-        if self.pending is None:
-            return None
-        step, values, event = self.pending
-        self.pending = None
-        if event is not None:
-            event.synchronize()
-        grad_norm, stop = values.tolist()
-        return step, grad_norm, stop > 0
-
-
-def _optimizer_step(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> torch.Tensor:
+def optimizer_step(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> torch.Tensor:
     """The update, unless the gradient norm is not finite; returns whether it was applied (a 0-dim bool tensor).
 
     The fused AdamW kernels skip the update themselves when given a ``found_inf`` flag (as under a gradient
@@ -534,91 +394,48 @@ def _optimizer_step(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -
     return finite
 
 
-def _loop(cfg, plan, model, optimizer, lr_scheduler, data_iter, state, ckpt, metrics, stop, device) -> dict:
-    t = cfg.training
-    tokens_per_step_local = t.local_batch_size * t.seq_len * plan.grad_accum
-    gc.disable()
-    gc.collect()
-    window_start, loss_sum, counted = time.perf_counter(), None, None
-    consecutive_skips, stopping = 0, False
-    start_step = state.step
-    reports = _StepReports(device)
-    last: dict = {}
+def profiler(cfg):
+    """torch.profiler over the steps profiling.* asks for (traces to dump_folder/save_traces_folder), or none."""
+    p = cfg.profiling
+    if not p.enable_profiling:
+        return contextlib.nullcontext(None)
+    folder = os.path.join(cfg.job.dump_folder, p.save_traces_folder)
+    rank = dist.get_rank()
 
-    def account(report) -> None:
-        """The host's bookkeeping of a finished step: skipped updates and stop requests."""
-        nonlocal consecutive_skips, stopping
-        if report is None:
-            return
-        step, grad_norm, stop_asked = report
-        stopping = stopping or stop_asked
-        if math.isfinite(grad_norm):
-            consecutive_skips = 0
-            return
-        state.skipped_steps += 1
-        consecutive_skips += 1
-        logger.warning(f"step {step}: non-finite gradient norm {grad_norm}, update skipped")
-        if consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
-            raise FloatingPointError(f"{consecutive_skips} consecutive steps had non-finite gradients; "
-                                     f"stopping at step {step} (the last checkpoint is intact)")
+    def on_trace(prof):
+        os.makedirs(folder, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(folder, f"rank{rank}_step{prof.step_num}.json"))
+        if rank == 0:
+            sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            logger.info("profile: " + prof.key_averages().table(sort_by=sort, row_limit=25))
 
-    with _profiler(cfg) as prof:
-        while state.step < t.steps:
-            state.step += 1
-            loss_acc = torch.zeros((), device=device)
-            for _ in range(plan.grad_accum):
-                batch = next(data_iter)
-                input_ids = batch["input_ids"].to(device, non_blocking=True)
-                labels = batch["labels"].to(device, non_blocking=True)
-                cu = batch.get("cu_seqlens")
-                cu = cu.to(device, non_blocking=True) if cu is not None else None
-                loss = model(input_ids, labels=labels, cu_seqlens=cu, loss_chunk_size=t.loss_chunk_size)
-                loss = loss / plan.grad_accum
-                loss.backward()
-                loss_acc += loss.detach()
-            grad_norm = clip_grad_norm_(model.parameters(), t.max_norm)
-            # the gradient norm is already reduced over all ranks, so every rank makes the same choice
-            applied = _optimizer_step(optimizer, grad_norm)
-            # the mean loss of a log window counts the applied steps only
-            loss_acc = torch.where(applied, loss_acc, torch.zeros_like(loss_acc))
-            loss_sum = loss_acc if loss_sum is None else loss_sum + loss_acc
-            counted = applied.float() if counted is None else counted + applied.float()
-            lr = optimizer.param_groups[0]["lr"]
-            lr_scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            state.tokens_seen += tokens_per_step_local * plan.dp.size
-            if prof is not None:
-                prof.step()
-            # the previous step's report (read only now: this step is queued), then this step's
-            account(reports.pop())
-            reports.push(state.step, grad_norm, stop.requested)
+    wait = max(p.profile_freq - p.profiler_active - p.profiler_warmup, 0)
+    return torch.profiler.profile(
+        schedule=torch.profiler.schedule(wait=wait, warmup=p.profiler_warmup, active=p.profiler_active),
+        on_trace_ready=on_trace, record_shapes=True)
 
-            # the first step is always reported: it shows the initial loss and the start-up cost
-            log_now = state.step % cfg.metrics.log_freq == 0 or state.step in (1, t.steps, start_step + 1)
-            save_now = ckpt.should_save(state.step, last=state.step == t.steps)
-            if log_now or save_now or stopping:
-                # the counters and the stop flag must include this step before they are logged or saved
-                account(reports.pop())
-            if (log_now or stopping) and counted is not None and counted.item() > 0:
-                mean_loss = loss_sum / counted
-                dist.all_reduce(mean_loss)  # a sum (gloo has no average)
-                mean_loss /= dist.get_world_size()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)  # the window's wall time includes its GPU work
-                steps_done = state.step - (last.get("step", start_step))
-                last = metrics.log(state.step, loss=mean_loss.item(), grad_norm=grad_norm.item(), lr=lr,
-                                   tokens_per_step=tokens_per_step_local, window_steps=steps_done,
-                                   window_time=time.perf_counter() - window_start, tokens_seen=state.tokens_seen,
-                                   skipped_steps=state.skipped_steps)
-                window_start, loss_sum, counted = time.perf_counter(), None, None
-            if state.step % t.gc_freq == 0:
-                gc.collect()
-            if save_now or stopping:
-                ckpt.save(state.step, model_only=state.step == t.steps and cfg.checkpoint.last_save_model_only)
-            if stopping:
-                logger.warning(f"stopped at step {state.step} on request")
-                break
-    return last
+
+def setup_logging(rank: int) -> None:
+    logging.basicConfig(format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
+                        level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout, force=True)
+
+
+def _remove_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(path)
+
+
+def init_distributed(device: torch.device, timeout_seconds: int) -> None:
+    backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL is RCCL on ROCm builds
+    kwargs = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_seconds)}
+    if "RANK" not in os.environ:
+        # one process without torchrun: a group of one, so the sharded (FSDP) code path is the same
+        store = tempfile.NamedTemporaryFile(prefix="hybridtitan-pg-", delete=False).name
+        atexit.register(_remove_quietly, store)  # the store is needed while the group lives, not after
+        kwargs.update(init_method=f"file://{store}", rank=0, world_size=1)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(**kwargs)
 
 
 def _quiet_known_warnings() -> None:
@@ -644,8 +461,24 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    train(cfg, plan)
-
+    try:
+        trainer = Trainer(cfg, plan)
+    except ResumeError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        dist.destroy_process_group()
+        sys.exit(2)
+    finished, data_error = False, None
+    try:
+        trainer.train()
+        finished = True
+    except DataError as e:  # bad data is bad input: one line (from each rank that met it), not a traceback
+        data_error = first_error_line(e)
+    finally:
+        trainer.close(finished)
+    if data_error is not None:
+        print(f"error: {data_error}", file=sys.stderr)
+        sys.exit(2)
 
 if __name__ == "__main__":
     main()

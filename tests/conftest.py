@@ -33,7 +33,7 @@ def pytest_configure(config):
 
 # The longest tests (minutes, each a multi-process training run), started first: with `-n 2` (run_tests.sh,
 # pytest-xdist) the short tests then run beside them instead of after them.
-LONGEST_FIRST = ("test_train.py::test_debug_recipe_trains", "test_train.py::test_exact_resume_and_reshard")
+LONGEST_FIRST = ("test_train.py::test_debug_recipe_trains", "test_checkpoint.py::test_exact_resume_and_reshard")
 
 
 def pytest_collection_modifyitems(config, items):

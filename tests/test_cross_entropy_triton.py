@@ -20,7 +20,7 @@ for rows, vocab, block, programs in [(7, 1000, 256, None), (9, 1024, 256, 4), (5
     target = torch.randint(0, vocab, (rows, 1))
     valid = torch.rand(rows) > 0.3
     valid[0], valid[-1] = True, False
-    ref_loss, ref_grad = ce._chunk_loss_and_grad(logits.clone(), target, valid)
+    ref_loss, ref_grad = ce.chunk_loss_and_grad(logits.clone(), target, valid)
     buffer = logits.clone()
     loss, grad = tce.chunk_loss_and_grad(buffer, target, valid, block=block, num_warps=4, programs=programs)
     assert grad.data_ptr() == buffer.data_ptr() and grad.dtype == torch.bfloat16
@@ -38,7 +38,7 @@ weight = (torch.randn(500, 32) * 0.3).to(torch.bfloat16)
 targets = torch.randint(0, 500, (300,))
 targets[::7] = -100
 results = []
-for chunk_fn in (None, lambda l, t, v: tce.chunk_loss_and_grad(l, t, v, block=128, num_warps=4)):
+for chunk_fn in (ce.chunk_loss_and_grad, lambda l, t, v: tce.chunk_loss_and_grad(l, t, v, block=128, num_warps=4)):
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     loss = ce._LinearCrossEntropy.apply(h, w, targets, -100, 128, chunk_fn)
     loss.backward()
@@ -54,23 +54,21 @@ def test_kernel_in_triton_interpreter(run_in_triton_interpreter):
     run_in_triton_interpreter(SCRIPT)
 
 
-def test_kernel_choice():
+def test_kernel_choice(monkeypatch):
     """The Triton kernel is the GPUs' default; CPU tensors get the eager chunks however it is set, and
-    compile_loss(True) takes precedence on every device."""
+    compiled_loss takes precedence on every device."""
     from hybridtitan.ops import cross_entropy as ce
 
-    cpu, gpu = torch.empty(1), torch.empty(1)
+    chosen = []
+    monkeypatch.setattr(ce, "linear_cross_entropy", lambda *a, chunk_fn, **k: chosen.append(chunk_fn))
+    cpu = torch.empty(1)
     gpu_like = type("GpuLike", (), {"is_cuda": True})()
-    assert ce._TRITON is True  # the default
-    assert ce._chunk_fn_for(cpu) is ce._chunk_loss_and_grad
-    assert ce._chunk_fn_for(gpu_like).__module__ == "hybridtitan.ops.cross_entropy_triton"
-    previous = ops.use_triton_loss(False)
-    try:
-        assert ce._chunk_fn_for(gpu_like) is ce._chunk_loss_and_grad
-    finally:
-        assert ops.use_triton_loss(previous) is False
-    ops.compile_loss(True)
-    try:
-        assert ce._chunk_fn_for(gpu_like) is ce._compiled_chunk() and ce._chunk_fn_for(gpu) is ce._compiled_chunk()
-    finally:
-        ops.compile_loss(False)
+    configs = [ops.KernelConfig(), ops.KernelConfig(triton_loss=False), ops.KernelConfig(compiled_loss=True)]
+    for config in configs:
+        for hidden in (cpu, gpu_like):
+            ops.Kernels(config).linear_cross_entropy(hidden, None, None)
+    default_cpu, default_gpu, eager_cpu, eager_gpu, compiled_cpu, compiled_gpu = chosen
+    assert default_cpu is ce.chunk_loss_and_grad and eager_cpu is ce.chunk_loss_and_grad
+    assert default_gpu.__module__ == "hybridtitan.ops.cross_entropy_triton"
+    assert eager_gpu is ce.chunk_loss_and_grad
+    assert compiled_cpu is compiled_gpu is ce.compiled_chunk_loss_and_grad()

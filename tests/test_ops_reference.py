@@ -219,13 +219,10 @@ def test_gated_delta_rule_op_vs_fla_naive(cu_seqlens, with_h0, decay):
     o2, s2 = ops.gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cu_seqlens=cu, initial_state=h0)
     assert s2 is None and rel_err(o2, o_ref) < TOL
 
-    # CUDA graphs and the call site that keys them change nothing off the GPU (scripts/gpu_check.py checks them)
-    previous = ops.use_cuda_graphs(True)
-    try:
-        o3, _ = ops.gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cu_seqlens=cu, initial_state=h0,
+    # CUDA graphs and the call site that keys them change nothing off the GPU (gpu_harness/gpu_check.py checks them)
+    graphed = ops.Kernels(ops.KernelConfig(cuda_graphs=True))
+    o3, _ = graphed.gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cu_seqlens=cu, initial_state=h0,
                                      site=torch.nn.Module())
-    finally:
-        ops.use_cuda_graphs(previous)
     assert torch.equal(o3, o2)
 
 
@@ -482,22 +479,17 @@ def test_compiled_norms_equal_eager():
     weight = 1 + 0.1 * torch.randn(32, generator=gen)
     grads = [torch.randn(2, 8, 32, generator=gen) for _ in range(3)]
 
-    def run():
+    def run(kernels):
         inputs = [t.clone().requires_grad_() for t in (x, residual, weight)]
-        normed, total = ops.add_rms_norm(*inputs, 1e-6)
-        plain = ops.rms_norm(inputs[0], inputs[2], 1e-6)
+        normed, total = kernels.add_rms_norm(*inputs, 1e-6)
+        plain = kernels.rms_norm(inputs[0], inputs[2], 1e-6)
         torch.autograd.backward([normed, total, plain], grads)
         return [normed.detach(), total.detach(), plain.detach()] + [t.grad for t in inputs]
 
-    eager = run()
-    previous = ops.compile_norms(True)
-    try:
-        compiled = run()
-        assert ops._compiled.cache_info().currsize == 2  # both functions went through torch.compile
-        with ops.use_reference_kernels():
-            forced = run()
-    finally:
-        ops.compile_norms(previous)
+    eager = run(ops.DEFAULT)
+    compiled = run(ops.Kernels(ops.KernelConfig(compiled_norms=True)))
+    assert ops._compiled.cache_info().currsize == 2  # both functions went through torch.compile
+    forced = run(ops.Kernels(ops.KernelConfig(compiled_norms=True, reference=True)))
     for a, b, c in zip(compiled, eager, forced):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(c, b, rtol=0, atol=0)
@@ -513,30 +505,22 @@ def test_compiled_swiglu_equals_eager():
     weight = torch.randn(16, 48, generator=gen) / 48 ** 0.5
     grad = torch.randn(2, 8, 16, generator=gen)
 
-    def run(fn=ops.swiglu_linear):
+    def run(fn):
         inputs = [t.clone().requires_grad_() for t in (gate, up, weight)]
         out = fn(*inputs)
         out.backward(grad)
         return [out.detach()] + [t.grad for t in inputs]
 
-    eager = run()
-    previous = ops.compile_swiglu(True)
-    try:
-        compiled = run()
-        with ops.use_reference_kernels():
-            forced = run()
-        # inside a function that torch.compile traces whole (compile.components = ["model", "swiglu"])
-        traced = run(torch.compile(ops.swiglu_linear))
-    finally:
-        ops.compile_swiglu(previous)
+    compiling = ops.Kernels(ops.KernelConfig(compiled_swiglu=True))
+    eager = run(ops.swiglu_linear)
+    compiled = run(compiling.swiglu_linear)
+    forced = run(ops.Kernels(ops.KernelConfig(compiled_swiglu=True, reference=True)).swiglu_linear)
+    # inside a function that torch.compile traces whole (compile.components = ["model", "swiglu"])
+    traced = run(torch.compile(compiling.swiglu_linear))
     for a, b, c, d in zip(compiled, eager, forced, traced):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(c, b, rtol=0, atol=0)
         torch.testing.assert_close(d, b, rtol=1e-5, atol=1e-5)
     # the compiled path is the autograd function that keeps gate and up only
-    previous = ops.compile_swiglu(True)
-    try:
-        out = ops.swiglu_linear(*(t.clone().requires_grad_() for t in (gate, up, weight)))
-    finally:
-        ops.compile_swiglu(previous)
+    out = compiling.swiglu_linear(*(t.clone().requires_grad_() for t in (gate, up, weight)))
     assert type(out.grad_fn).__name__ == "_CompiledSwiGLULinearBackward"

@@ -9,19 +9,22 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybridtitan import ops
+from hybridtitan.ops import Kernels
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
+    """x / rms(x) * weight. Given ``residual`` (the fused residual form, hybridtitan.ops.residual), it returns
+    (RMSNorm(x + residual), x + residual) from one kernel, as FLA's norms do."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, kernels: Kernels = ops.DEFAULT):
         super().__init__()
-        self.eps = eps
+        self.eps, self.ops = eps, kernels
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """RMSNorm(x); with ``residual``, (RMSNorm(x + residual), x + residual) from one fused kernel."""
         if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps)
-        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -31,14 +34,14 @@ class GatedRMSNorm(nn.Module):
     """Per-head output norm of the mixers, gated by a projection of the input (FLA's FusedRMSNormGated)."""
 
     def __init__(self, dim: int, eps: float, activation: str = "swish", norm_before_gate: bool = True,
-                 group_size: int | None = None):
+                 group_size: int | None = None, kernels: Kernels = ops.DEFAULT):
         super().__init__()
-        self.eps, self.activation = eps, activation
+        self.eps, self.activation, self.ops = eps, activation, kernels
         self.norm_before_gate, self.group_size = norm_before_gate, group_size
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return ops.gated_rms_norm(x, gate, self.weight, self.eps, self.activation, self.norm_before_gate,
+        return self.ops.gated_rms_norm(x, gate, self.weight, self.eps, self.activation, self.norm_before_gate,
                                   self.group_size)
 
     def reset_parameters(self) -> None:
@@ -48,9 +51,9 @@ class GatedRMSNorm(nn.Module):
 class ShortConvolution(nn.Module):
     """Depthwise causal convolution + SiLU. The weight keeps nn.Conv1d's [channels, 1, width] shape (FLA's)."""
 
-    def __init__(self, channels: int, width: int, bias: bool = False):
+    def __init__(self, channels: int, width: int, bias: bool = False, kernels: Kernels = ops.DEFAULT):
         super().__init__()
-        self.width = width
+        self.width, self.ops = width, kernels
         self.weight = nn.Parameter(torch.empty(channels, 1, width))
         self.bias = nn.Parameter(torch.zeros(channels)) if bias else None
 
@@ -80,7 +83,7 @@ def fused_short_conv(x: torch.Tensor, convs: list[ShortConvolution], cu_seqlens=
     biases = [c.bias for c in convs]
     bias = torch.cat(biases) if all(b is not None for b in biases) else None
     state = cache.get(key) if cache is not None else None
-    ys, new_state = ops.short_conv(x, weight, bias, "silu", [c.weight.shape[0] for c in convs],
+    ys, new_state = convs[0].ops.short_conv(x, weight, bias, "silu", [c.weight.shape[0] for c in convs],
                                    cu_seqlens=cu_seqlens, initial_state=state, output_final_state=cache is not None)
     if cache is not None:
         cache[key] = new_state
@@ -90,19 +93,20 @@ def fused_short_conv(x: torch.Tensor, convs: list[ShortConvolution], cu_seqlens=
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)), with FLA's names."""
 
-    def __init__(self, dim: int, hidden_dim: int):
+    def __init__(self, dim: int, hidden_dim: int, kernels: Kernels = ops.DEFAULT):
         super().__init__()
+        self.ops = kernels
         self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
         self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
         self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor, **_) -> torch.Tensor:
         # Two products, not one over the concatenated weights (fused_linear): the backward pass of that split
-        # would concatenate the gate and up gradients, [tokens, 2 x hidden_dim], the largest copy of a step
-        # (8.6 ms of 304 on the H200), while the two products are each large enough to run at full speed.
+        # would concatenate the gate and up gradients, [tokens, 2 x hidden_dim], the largest copy of a step,
+        # while the two products are each large enough to run at full speed.
         gate, up = F.linear(x, self.gate_proj.weight), F.linear(x, self.up_proj.weight)
         # the product silu(gate) * up is not kept for the backward pass (ops.swiglu_linear)
-        return ops.swiglu_linear(gate, up, self.down_proj.weight)
+        return self.ops.swiglu_linear(gate, up, self.down_proj.weight)
 
 
 @torch.no_grad()

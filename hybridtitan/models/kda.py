@@ -12,22 +12,24 @@ import torch
 import torch.nn as nn
 
 from hybridtitan import ops
+from hybridtitan.ops import Kernels
 
 from .args import KDAArgs
 from .common import GatedRMSNorm, ShortConvolution, fused_linear, fused_short_conv, init_dt_bias, init_log_uniform_A
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, dim: int, args: KDAArgs, norm_eps: float):
+    def __init__(self, dim: int, args: KDAArgs, norm_eps: float, kernels: Kernels = ops.DEFAULT):
         super().__init__()
+        self.ops = kernels
         self.num_heads, self.head_dim, self.head_v_dim = args.num_heads, args.head_dim, args.head_v_dim
         key_dim, value_dim = args.num_heads * args.head_dim, args.num_heads * args.head_v_dim
         self.q_proj = nn.Linear(dim, key_dim, bias=False)
         self.k_proj = nn.Linear(dim, key_dim, bias=False)
         self.v_proj = nn.Linear(dim, value_dim, bias=False)
-        self.q_conv1d = ShortConvolution(key_dim, args.conv_size)
-        self.k_conv1d = ShortConvolution(key_dim, args.conv_size)
-        self.v_conv1d = ShortConvolution(value_dim, args.conv_size)
+        self.q_conv1d = ShortConvolution(key_dim, args.conv_size, kernels=kernels)
+        self.k_conv1d = ShortConvolution(key_dim, args.conv_size, kernels=kernels)
+        self.v_conv1d = ShortConvolution(value_dim, args.conv_size, kernels=kernels)
         # low-rank decay: rank head_v_dim, as FLA
         self.f_proj = nn.Sequential(nn.Linear(dim, args.head_v_dim, bias=False),
                                     nn.Linear(args.head_v_dim, key_dim, bias=False))
@@ -36,7 +38,7 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(key_dim))
         self.g_proj = nn.Sequential(nn.Linear(dim, args.head_v_dim, bias=False),
                                     nn.Linear(args.head_v_dim, value_dim, bias=True))
-        self.o_norm = GatedRMSNorm(args.head_v_dim, eps=norm_eps, activation="sigmoid")
+        self.o_norm = GatedRMSNorm(args.head_v_dim, eps=norm_eps, activation="sigmoid", kernels=kernels)
         self.o_proj = nn.Linear(value_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor, cu_seqlens=None, cache=None, **_) -> torch.Tensor:
@@ -45,7 +47,7 @@ class KimiDeltaAttention(nn.Module):
         qkv, f, g, b = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj), self.f_proj[0], self.g_proj[0],
                                     self.b_proj)
         q, k, v = fused_short_conv(qkv, [self.q_conv1d, self.k_conv1d, self.v_conv1d], cu_seqlens, cache)
-        o, state = ops.kda(
+        o, state = self.ops.kda(
             q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V), self.f_proj[1](f).view(B, T, H, K), b,
             self.A_log, self.dt_bias, cu_seqlens=cu_seqlens,
             initial_state=cache.get("recurrent") if cache is not None else None, output_final_state=cache is not None,

@@ -17,25 +17,27 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hybridtitan import ops
+from hybridtitan.ops import Kernels
 
 from .args import Mamba2Args
 from .common import GatedRMSNorm, ShortConvolution, init_dt_bias, init_log_uniform_A
 
 
 class Mamba2(nn.Module):
-    def __init__(self, dim: int, args: Mamba2Args, norm_eps: float):
+    def __init__(self, dim: int, args: Mamba2Args, norm_eps: float, kernels: Kernels = ops.DEFAULT):
         super().__init__()
+        self.ops = kernels
         self.d_inner = dim * args.expand
         self.head_dim, self.d_state, self.n_groups = args.head_dim, args.d_state, args.n_groups
         self.num_heads = self.d_inner // args.head_dim
         self.bc_dim = args.n_groups * args.d_state
         self.in_proj = nn.Linear(dim, 2 * self.d_inner + 2 * self.bc_dim + self.num_heads, bias=False)
-        self.conv1d = ShortConvolution(self.d_inner + 2 * self.bc_dim, args.conv_size, bias=True)
+        self.conv1d = ShortConvolution(self.d_inner + 2 * self.bc_dim, args.conv_size, bias=True, kernels=kernels)
         self.A_log = nn.Parameter(torch.empty(self.num_heads))
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
         self.D = nn.Parameter(torch.ones(self.num_heads))
         self.norm = GatedRMSNorm(self.d_inner, eps=norm_eps, activation="swish", norm_before_gate=False,
-                                 group_size=self.d_inner // args.n_groups)
+                                 group_size=self.d_inner // args.n_groups, kernels=kernels)
         self.out_proj = nn.Linear(self.d_inner, dim, bias=False)
 
     def forward(self, u: torch.Tensor, cu_seqlens=None, cache=None, **_) -> torch.Tensor:
@@ -50,7 +52,7 @@ class Mamba2(nn.Module):
         Cm = Cm.view(Bsz, T, G, N).repeat_interleave(H // G, dim=2)
         dt = F.softplus(dt.float() + self.dt_bias.float())  # [B, T, H]
         A = -self.A_log.float().exp()
-        y, state = ops.simple_gla(
+        y, state = self.ops.simple_gla(
             Cm, Bm, (x * dt.unsqueeze(-1)).to(x.dtype), A * dt, scale=1.0, cu_seqlens=cu_seqlens,
             initial_state=cache.get("recurrent") if cache is not None else None,
             output_final_state=cache is not None, site=self,

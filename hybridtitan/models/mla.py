@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from hybridtitan import ops
+from hybridtitan.ops import Kernels
 
 from .args import MLAArgs
 from .common import RMSNorm, fused_linear
@@ -55,19 +56,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class MultiLatentAttention(nn.Module):
-    def __init__(self, dim: int, args: MLAArgs, norm_eps: float):
+    def __init__(self, dim: int, args: MLAArgs, norm_eps: float, kernels: Kernels = ops.DEFAULT):
         super().__init__()
+        self.ops = kernels
         self.args = args
         self.num_heads = args.num_heads
         self.qk_head_dim = args.qk_nope_head_dim + args.qk_rope_head_dim
         if args.q_lora_rank > 0:
             self.q_down_proj = nn.Linear(dim, args.q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(args.q_lora_rank, eps=norm_eps)
+            self.q_norm = RMSNorm(args.q_lora_rank, eps=norm_eps, kernels=kernels)
             self.q_up_proj = nn.Linear(args.q_lora_rank, args.num_heads * self.qk_head_dim, bias=False)
         else:
             self.q_proj = nn.Linear(dim, args.num_heads * self.qk_head_dim, bias=False)
         self.kv_down_proj = nn.Linear(dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
-        self.kv_norm = RMSNorm(args.kv_lora_rank, eps=norm_eps)
+        self.kv_norm = RMSNorm(args.kv_lora_rank, eps=norm_eps, kernels=kernels)
         self.kv_up_proj = nn.Linear(args.kv_lora_rank, args.num_heads * (args.qk_nope_head_dim + args.v_head_dim),
                                     bias=False)
         self.o_proj = nn.Linear(args.num_heads * args.v_head_dim, dim, bias=False)
@@ -112,5 +114,5 @@ class MultiLatentAttention(nn.Module):
         k_nope, v = kv.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(B, S, H, a.qk_rope_head_dim)], dim=-1)
-        o = ops.attention(q, k, v, self.softmax_scale, cu_seqlens=cu_seqlens, rows=rows)
+        o = self.ops.attention(q, k, v, self.softmax_scale, cu_seqlens=cu_seqlens, rows=rows)
         return self.o_proj(o.reshape(B, T, H * a.v_head_dim))

@@ -1,8 +1,12 @@
 """HybridLM: embedding, one pre-norm residual sublayer per pattern symbol, final RMSNorm, LM head.
 
-Plain nn.Modules: no device, parallelism or kernel choice here (parallel.py wraps the sublayers from outside;
-hybridtitan.ops picks the kernels). Build on the meta device, move to a device with ``to_empty``, then call
-``init_weights``.
+    h_0 = E[input_ids]
+    h_i = h_{i-1} + f_i(RMSNorm_i(h_{i-1}))      f_i: MLA attention ('*'), the mixer ('M') or SwiGLU ('-')
+    logits = RMSNorm(h_n) W_out^T                (W_out = E with tied embeddings)
+
+Plain nn.Modules: no device, parallelism or kernel choice here (hybridtitan.parallel wraps the sublayers from
+outside; the ``kernels`` given at build time pick every kernel, hybridtitan.ops). Build on the meta device, move
+to a device with ``to_empty``, then call ``init_weights``.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from hybridtitan import ops
+from hybridtitan.ops import Kernels
 
 from .args import ModelArgs
 from .common import GatedRMSNorm, RMSNorm, ShortConvolution, SwiGLU
@@ -20,46 +25,33 @@ from .mamba2 import Mamba2
 from .mla import MultiLatentAttention
 
 MIXER_CLASSES = {"gdn": GatedDeltaNet, "kda": KimiDeltaAttention, "mamba2": Mamba2}
+BODY_NAMES = {"attention": "attn", "mixer": "mixer", "mlp": "mlp"}
 
 
 class Sublayer(nn.Module):
     """A pre-norm residual sublayer, x -> x + f(RMSNorm(x)), f one of: MLA attention ('attention'), the mixer
-    ('mixer'), SwiGLU ('mlp').
+    ('mixer'), SwiGLU ('mlp')."""
 
-    The residual add is done one sublayer late, inside the next norm's kernel: ``forward(x, delta)`` takes the
-    residual stream and the previous sublayer's output not yet added to it, and returns the stream with it added
-    and this sublayer's own output f(RMSNorm(x + delta)). The stack's result is the last pair's sum. That saves
-    a pass over the stream per sublayer, forward and backward (the add's gradient joins the norm's backward).
-    A sublayer under activation checkpointing keeps its inputs for the recomputation: it gets the stream with
-    the add already done (``fuse_residual_add = False``), one saved tensor instead of two."""
-
-    def __init__(self, kind: str, args: ModelArgs):
+    def __init__(self, kind: str, args: ModelArgs, kernels: Kernels = ops.DEFAULT):
         super().__init__()
         self.kind = kind
-        self.fuse_residual_add = True  # hybridtitan.parallel turns it off for checkpointed sublayers
-        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps, kernels=kernels)
         if kind == "attention":
-            self.attn = MultiLatentAttention(args.dim, args.mla, args.norm_eps)
+            self.attn = MultiLatentAttention(args.dim, args.mla, args.norm_eps, kernels)
         elif kind == "mixer":
-            mixer_args = getattr(args, args.mixer)
-            self.mixer = MIXER_CLASSES[args.mixer](args.dim, mixer_args, args.norm_eps)
+            self.mixer = MIXER_CLASSES[args.mixer](args.dim, getattr(args, args.mixer), args.norm_eps, kernels)
         elif kind == "mlp":
-            self.mlp = SwiGLU(args.dim, args.ffn_dim)
+            self.mlp = SwiGLU(args.dim, args.ffn_dim, kernels)
         else:
             raise ValueError(f"unknown sublayer kind {kind!r}")
 
     @property
     def body(self) -> nn.Module:
-        return getattr(self, {"attention": "attn", "mixer": "mixer", "mlp": "mlp"}[self.kind])
+        """f: the attention, mixer or MLP."""
+        return getattr(self, BODY_NAMES[self.kind])
 
-    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None, cu_seqlens=None, cache=None,
-                rows: int = 1) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """(x + delta, f(RMSNorm(x + delta))). Without a delta (the first sublayer): (None, f(RMSNorm(x))), the
-        stream being x unchanged (handing back the input itself would, through FSDP2's hooks, return a view of it)."""
-        if delta is None:
-            return None, self.body(self.norm(x), cu_seqlens=cu_seqlens, cache=cache, rows=rows)
-        normed, x = self.norm(x, residual=delta)
-        return x, self.body(normed, cu_seqlens=cu_seqlens, cache=cache, rows=rows)
+    def forward(self, x: torch.Tensor, cu_seqlens=None, cache=None, rows: int = 1) -> torch.Tensor:
+        return x + self.body(self.norm(x), cu_seqlens=cu_seqlens, cache=cache, rows=rows)
 
 
 class InferenceCache:
@@ -79,12 +71,12 @@ class InferenceCache:
 
 
 class HybridLM(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, kernels: Kernels = ops.DEFAULT):
         super().__init__()
-        self.args = args
+        self.args, self.ops = args, kernels
         self.embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Sublayer(kind, args) for kind in args.kinds)
-        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.layers = nn.ModuleList(Sublayer(kind, args, kernels) for kind in args.kinds)
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps, kernels=kernels)
         self.lm_head = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
 
     @property
@@ -92,41 +84,39 @@ class HybridLM(nn.Module):
         return self.embeddings.weight if self.lm_head is None else self.lm_head.weight
 
     def hidden_states(self, input_ids: torch.Tensor, cu_seqlens=None, cache: InferenceCache | None = None,
-                      collect: list | None = None):
+                      collect: list | None = None) -> torch.Tensor:
         """Final-normed hidden states [B, T, D]. With ``cu_seqlens`` (boundaries over the B * T tokens, rows
         included), documents are isolated: no state or attention crosses a boundary. A ``collect`` list receives
-        the residual stream entering each layer, then the final-normed states (transformers' hidden_states)."""
+        the residual stream entering each sublayer, then the final-normed states (transformers' hidden_states).
+        (Under the fused residual kernels, hybridtitan.ops.residual, the stream between two sublayers is carried
+        as a pair whose sum it is.)"""
         B, T = input_ids.shape
-        h, delta = self.embeddings(input_ids), None
-        rows = 1
+        x, rows = self.embeddings(input_ids), 1
         if cu_seqlens is not None:
             cu_seqlens = cu_seqlens.long()  # once per forward: the kernels index with it (loaders give int32)
-            if B > 1:
-                h, rows = h.reshape(1, B * T, -1), B
+            if B > 1:  # packed documents: one row of B * T tokens, the rows' starts among the boundaries
+                x, rows = x.reshape(1, B * T, -1), B
         for i, layer in enumerate(self.layers):
-            if delta is not None and not layer.fuse_residual_add:
-                h, delta = h + delta, None
             if collect is not None:
-                collect.append((h if delta is None else h + delta).view(B, T, -1))
-            stream, delta = layer(h, delta, cu_seqlens=cu_seqlens,
-                                  cache=cache.layer(i) if cache is not None else None, rows=rows)
-            h = h if stream is None else stream
-        out = self.norm(h) if delta is None else self.norm(h, residual=delta)[0]
+                collect.append(x.view(B, T, -1))
+            x = layer(x, cu_seqlens=cu_seqlens, cache=cache.layer(i) if cache is not None else None, rows=rows)
+        out = self.norm(x).view(B, T, -1)
         if collect is not None:
-            collect.append(out.view(B, T, -1))
-        return out.view(B, T, -1)
+            collect.append(out)
+        return out
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, cu_seqlens=None,
-                cache: InferenceCache | None = None, ignore_index: int = -100,
-                loss_chunk_size: int = 4096) -> torch.Tensor:
-        """Mean cross-entropy over the counted labels if ``labels`` are given (the logits are formed
-        ``loss_chunk_size`` tokens at a time, never whole), else the logits [B, T, V] in float32."""
+                cache: InferenceCache | None = None, ignore_index: int = -100, loss_chunk_size: int = 4096,
+                reduction: str = "mean"):
+        """The logits [B, T, V] in float32, or given ``labels`` the cross-entropy over the counted ones (the logits
+        then formed ``loss_chunk_size`` tokens at a time, never whole): their mean, or with ``reduction="sum"``
+        (the trainer's, which divides by the count of its whole step) the pair (summed loss, count)."""
         h = self.hidden_states(input_ids, cu_seqlens=cu_seqlens, cache=cache)
         if labels is None:
             return (h @ self.output_weight.t()).float()
-        loss_sum, count = ops.linear_cross_entropy(h, self.output_weight, labels, ignore_index=ignore_index,
-                                                   chunk_size=loss_chunk_size)
-        return loss_sum / count.clamp(min=1)
+        loss_sum, count = self.ops.linear_cross_entropy(h, self.output_weight, labels, ignore_index=ignore_index,
+                                                        chunk_size=loss_chunk_size)
+        return (loss_sum, count) if reduction == "sum" else loss_sum / count.clamp(min=1)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -149,6 +139,6 @@ def init_module(module: nn.Module, std: float) -> None:
         module.init_special()
 
 
-def build_model(args: ModelArgs, device: str | torch.device = "meta") -> HybridLM:
+def build_model(args: ModelArgs, device: str | torch.device = "meta", kernels: Kernels = ops.DEFAULT) -> HybridLM:
     with torch.device(device):
-        return HybridLM(args)
+        return HybridLM(args, kernels)

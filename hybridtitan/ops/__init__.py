@@ -1,39 +1,28 @@
-"""Every compute kernel of the models, chosen in one place.
+"""Every compute kernel of the models, chosen in one place, from one ``KernelConfig`` given at build time.
+
+    kernels = ops.Kernels(ops.KernelConfig(compiled_norms=True))     # the trainer builds it from the recipe
+    model = build_model(args, kernels=kernels)                       # every module keeps it as ``self.ops``
+    o, state = self.ops.gated_delta_rule(q, k, v, a, b, A_log, dt_bias)   # inside a mixer
 
 A tensor on a GPU (CUDA or ROCm: PyTorch calls both "cuda") goes to FLA's Triton kernels (``fla_backend``), or
-to Triton kernels of our own where they are faster (the cross-entropy chunks, ``cross_entropy_triton``; the
-short convolution of whole sequences, ``conv_triton``), or through torch.compile where the trainer asks for it;
-anything else to the chunked PyTorch reference (``reference``), which computes the same algorithm. Model code
-calls these functions and never chooses a kernel itself. ``use_reference_kernels()`` forces the reference on
-any device, for parity checks. ``use_cuda_graphs()`` replays the recurrent mixers' FLA calls from CUDA graphs
-(``cuda_graphs``; the calling layer passes itself as ``site``).
+to Triton kernels of our own where they are faster (each cross-entropy chunk's softmax, ``cross_entropy_triton``;
+the short convolution of whole sequences, ``conv_triton``), or through torch.compile where the config asks for
+it; anything else to the chunked PyTorch reference (``reference``), which computes the same algorithm. Model code
+calls these methods and never chooses a kernel itself. The module-level functions (``ops.gated_delta_rule``,
+...) are the default configuration's, for tests and tools.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import functools
 
 import torch
 import torch.nn.functional as F
 
-from . import reference
-from .cross_entropy import compile_chunks as compile_loss
-from .cross_entropy import linear_cross_entropy
-from .cross_entropy import use_triton_chunks as use_triton_loss
+from . import cross_entropy, reference
 
-__all__ = [
-    "gated_delta_rule", "kda", "simple_gla", "causal_conv1d", "short_conv", "rms_norm", "add_rms_norm",
-    "gated_rms_norm", "swiglu_linear", "attention", "linear_cross_entropy", "compile_loss", "use_triton_loss",
-    "use_triton_conv", "use_cuda_graphs", "compile_norms", "compile_swiglu", "use_reference_kernels",
-    "backend_for",
-]
-
-_FORCE_REFERENCE = False
-_COMPILED_NORMS = False
-_COMPILED_SWIGLU = False
-_TRITON_CONV = True
-_CUDA_GRAPHS = False
+__all__ = ["KernelConfig", "Kernels", "DEFAULT"]
 
 # KDA's reference computes the per-channel decay between every pair of positions of a chunk: with chunks of 16
 # that costs 16 x the key tensor, and stays exact however strong the decay (no exp(+gamma) is ever formed).
@@ -41,15 +30,35 @@ GDN_CHUNK = 64
 KDA_CHUNK = 16
 
 
-@contextlib.contextmanager
-def use_reference_kernels():
-    """Within this block every op runs the PyTorch reference, on any device."""
-    global _FORCE_REFERENCE
-    previous, _FORCE_REFERENCE = _FORCE_REFERENCE, True
-    try:
-        yield
-    finally:
-        _FORCE_REFERENCE = previous
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Which implementation runs each op. CPU tensors always run the PyTorch reference (or torch.compile of it
+    where asked); the choices below concern GPUs unless said otherwise."""
+
+    reference: bool = False
+    """The PyTorch reference on every device (parity checks against the GPU kernels)"""
+
+    fused_residual: bool = False
+    """Each sublayer's residual add done inside the next RMSNorm's kernel (hybridtitan.ops.residual): one pass
+    over the residual stream less per sublayer, forward and backward"""
+
+    compiled_norms: bool = False
+    """RMSNorm, with the residual add fused into it, through torch.compile (any device) instead of FLA's kernel"""
+
+    compiled_swiglu: bool = False
+    """SwiGLU's elementwise passes, forward and backward, through torch.compile (any device) instead of FLA's"""
+
+    compiled_loss: bool = False
+    """The elementwise part of each cross-entropy chunk through torch.compile (any device)"""
+
+    triton_loss: bool = True
+    """Each cross-entropy chunk's softmax and gradient in our Triton kernel (off: eager PyTorch)"""
+
+    triton_conv: bool = True
+    """Short convolutions of whole sequences in our Triton kernels (off: FLA's)"""
+
+    cuda_graphs: bool = False
+    """The recurrent mixers' FLA calls of whole sequences replayed from CUDA graphs (hybridtitan.ops.cuda_graphs)"""
 
 
 @functools.cache
@@ -57,119 +66,6 @@ def _fla():
     from . import fla_backend
 
     return fla_backend
-
-
-def backend_for(x: torch.Tensor) -> str:
-    return "fla" if (x.is_cuda and not _FORCE_REFERENCE) else "torch"
-
-
-def use_cuda_graphs(enable: bool = True) -> bool:
-    """On GPUs, the recurrent mixers' FLA calls of whole sequences in training replayed from CUDA graphs, one
-    pair per calling layer (``cuda_graphs``; the ops' ``site`` argument names the layer). Returns the previous
-    setting."""
-    global _CUDA_GRAPHS
-    previous, _CUDA_GRAPHS = _CUDA_GRAPHS, enable
-    return previous
-
-
-def _fla_mixer(name: str, site, tensors: tuple, cu_seqlens, initial_state, output_final_state, *extra):
-    """FLA's ``name`` op, through the site's CUDA graphs where they apply (whole sequences, no state)."""
-    fn = getattr(_fla(), name)
-    if _CUDA_GRAPHS and site is not None and cu_seqlens is None and initial_state is None and not output_final_state:
-        from . import cuda_graphs
-
-        return cuda_graphs.graphed_call(site, lambda *t: fn(*t, *extra, None, None, False)[0], *tensors), None
-    return fn(*tensors, *extra, cu_seqlens, initial_state, output_final_state)
-
-
-def gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None, initial_state=None, output_final_state=False,
-                     site=None):
-    """Gated DeltaNet core. q, k: [B, T, H, K] before their L2 norm; v: [B, T, HV, V]; a, b: [B, T, HV] raw gate
-    and beta logits. decay = -exp(A_log) * softplus(a + dt_bias) (float32), beta = sigmoid(b). ``site``: any
-    object naming the calling layer, for state the GPU path keeps per layer (CUDA graphs); ignored elsewhere."""
-    if backend_for(q) == "fla":
-        return _fla_mixer("gated_delta_rule", site, (q, k, v, a, b, A_log, dt_bias), cu_seqlens, initial_state,
-                          output_final_state)
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-    return reference.chunk_delta_rule(
-        reference.l2norm(q.float()), reference.l2norm(k.float()), v, g, torch.sigmoid(b.float()),
-        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-        chunk_size=GDN_CHUNK,
-    )
-
-
-def kda(q, k, v, a, b, A_log, dt_bias, cu_seqlens=None, initial_state=None, output_final_state=False, site=None):
-    """Kimi Delta Attention core. As ``gated_delta_rule`` but a: [B, T, HV, K] (one decay per key channel),
-    dt_bias: [HV * K]."""
-    if backend_for(q) == "fla":
-        return _fla_mixer("kda", site, (q, k, v, a, b, A_log, dt_bias), cu_seqlens, initial_state,
-                          output_final_state)
-    HV, K = a.shape[-2], a.shape[-1]
-    g = -A_log.float().view(HV, 1).exp() * F.softplus(a.float() + dt_bias.float().view(HV, K))
-    return reference.chunk_delta_rule(
-        reference.l2norm(q.float()), reference.l2norm(k.float()), v, g, torch.sigmoid(b.float()),
-        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-        chunk_size=KDA_CHUNK,
-    )
-
-
-def simple_gla(q, k, v, g, scale=None, cu_seqlens=None, initial_state=None, output_final_state=False, site=None):
-    """Linear attention with a scalar log decay g: [B, T, H] per head (Mamba2's SSD with q=C, k=B, v=x*dt)."""
-    if backend_for(q) == "fla":
-        return _fla_mixer("simple_gla", site, (q, k, v, g), cu_seqlens, initial_state, output_final_state, scale)
-    return reference.chunk_simple_gla(q, k, v, g.float(), scale=scale, initial_state=initial_state,
-                                      output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-
-
-def causal_conv1d(x, weight, bias=None, activation="silu", cu_seqlens=None, initial_state=None,
-                  output_final_state=False):
-    """Depthwise causal convolution. x: [B, T, D]; weight: [D, W]; states [N, D, W] (last W inputs)."""
-    if backend_for(x) == "fla":
-        return _fla().causal_conv1d(x, weight, bias, activation, cu_seqlens, initial_state, output_final_state)
-    return reference.causal_conv1d(x, weight, bias, activation, cu_seqlens, initial_state, output_final_state)
-
-
-def use_triton_conv(enable: bool = True) -> bool:
-    """On GPUs, short convolutions of whole sequences in ``conv_triton``'s kernels (the default) or, off, FLA's.
-    Returns the previous setting."""
-    global _TRITON_CONV
-    previous, _TRITON_CONV = _TRITON_CONV, enable
-    return previous
-
-
-def short_conv(x, weight, bias=None, activation="silu", sizes=None, cu_seqlens=None, initial_state=None,
-               output_final_state=False):
-    """``causal_conv1d`` with its output as one tensor per block of ``sizes`` channels (default: one), e.g. a
-    mixer's q, k and v. Returns (outputs, final state or None). On GPUs, whole sequences without a state go to
-    our kernels (``conv_triton``), which write each block as its own contiguous tensor (no copy when the
-    recurrent kernels take them); packed documents, decoding and other devices get views of one output."""
-    sizes = tuple(sizes) if sizes else (x.shape[-1],)
-    # inside a sublayer that torch.compile traces whole (compile.components "model") FLA's kernel stays: ours
-    # was not measured there
-    if (_TRITON_CONV and backend_for(x) == "fla" and cu_seqlens is None and initial_state is None
-            and not output_final_state and activation in (None, "silu", "swish")
-            and not torch.compiler.is_compiling()):
-        from . import conv_triton
-
-        return list(conv_triton.short_conv(x, weight, bias, activation is not None, sizes)), None
-    y, state = causal_conv1d(x, weight, bias, activation, cu_seqlens, initial_state, output_final_state)
-    return list(y.split(sizes, dim=-1)), state
-
-
-def compile_norms(enable: bool = True) -> bool:
-    """RMSNorm, and the residual add fused with it, through torch.compile on every device (the trainer's
-    compile.components = ["norm"]) instead of FLA's kernel on GPUs / the eager reference elsewhere. Inductor's
-    backward reads and writes each [tokens, dim] tensor at close to the memory's speed; FLA 0.6.0's row kernel
-    ran at ~0.9 TB/s on an H200 (docs/benchmarks.md). Returns the previous setting. (torch.compile's default
-    dynamic shapes: a new hidden size compiles once more, then the dims become symbolic.)"""
-    global _COMPILED_NORMS
-    previous, _COMPILED_NORMS = _COMPILED_NORMS, enable
-    return previous
-
-
-def _add_rms_norm_eager(x, residual, weight, eps):
-    total = x + residual
-    return reference.rms_norm(total, weight, eps), total
 
 
 @functools.cache
@@ -183,37 +79,9 @@ def _compiled_unless_tracing(fn):
     return fn if torch.compiler.is_compiling() else _compiled(fn)
 
 
-def rms_norm(x, weight, eps):
-    if _COMPILED_NORMS and not _FORCE_REFERENCE:
-        return _compiled_unless_tracing(reference.rms_norm)(x, weight, eps)
-    if backend_for(x) == "fla":
-        return _fla().rms_norm(x, weight, eps)
-    return reference.rms_norm(x, weight, eps)
-
-
-def add_rms_norm(x, residual, weight, eps):
-    """(rms_norm(x + residual), x + residual): a pre-norm block's residual add and the next norm in one kernel
-    (forward and backward), instead of a separate pass over the residual stream for the add."""
-    if _COMPILED_NORMS and not _FORCE_REFERENCE:
-        return _compiled_unless_tracing(_add_rms_norm_eager)(x, residual, weight, eps)
-    if backend_for(x) == "fla":
-        return _fla().add_rms_norm(x, residual, weight, eps)
-    return _add_rms_norm_eager(x, residual, weight, eps)
-
-
-def gated_rms_norm(x, gate, weight, eps, activation="swish", norm_before_gate=True, group_size=None):
-    if backend_for(x) == "fla":
-        return _fla().gated_rms_norm(x, gate, weight, eps, activation, norm_before_gate, group_size)
-    return reference.gated_rms_norm(x, gate, weight, eps, activation, norm_before_gate, group_size)
-
-
-def compile_swiglu(enable: bool = True) -> bool:
-    """SwiGLU's elementwise passes (forward, and the backward's, which forms silu(gate) * up again) through
-    torch.compile on every device (the trainer's compile.components = ["swiglu"]) instead of FLA's kernels on
-    GPUs / eager elsewhere. Returns the previous setting."""
-    global _COMPILED_SWIGLU
-    previous, _COMPILED_SWIGLU = _COMPILED_SWIGLU, enable
-    return previous
+def _add_rms_norm_eager(x, residual, weight, eps):
+    total = x + residual
+    return reference.rms_norm(total, weight, eps), total
 
 
 def _swiglu_forward(gate, up):
@@ -246,20 +114,162 @@ class _CompiledSwiGLULinear(torch.autograd.Function):
         return d_gate, d_up, d_weight
 
 
-def swiglu_linear(gate, up, weight):
-    """(silu(gate) * up) @ weight.T, without keeping silu(gate) * up for the backward pass: it is formed again
-    there, in the same pass that computes the gradients of gate and up. Saves one [tokens, hidden] activation per
-    MLP (a quarter of a 300M model's activation memory) for no extra matrix product."""
-    if _COMPILED_SWIGLU and not _FORCE_REFERENCE:
-        return _CompiledSwiGLULinear.apply(gate, up, weight)
-    if backend_for(gate) == "fla":
-        return _fla().swiglu_linear(gate, up, weight)
-    return F.linear(F.silu(gate) * up, weight)
+class Kernels:
+    """The ops of the models under one KernelConfig. Each method has the signature of its PyTorch reference."""
+
+    def __init__(self, config: KernelConfig | None = None):
+        self.config = config or KernelConfig()
+
+    def __repr__(self) -> str:
+        return f"Kernels({self.config})"
+
+    def backend_for(self, x: torch.Tensor) -> str:
+        """"fla" (the GPU kernels) or "torch" (the PyTorch reference) for an op on ``x``."""
+        return "fla" if (x.is_cuda and not self.config.reference) else "torch"
+
+    # ---- the recurrent mixers
+
+    def _fla_mixer(self, name: str, site, tensors: tuple, cu_seqlens, initial_state, output_final_state, *extra):
+        """FLA's ``name`` op, through the site's CUDA graphs where they apply (whole sequences, no state)."""
+        fn = getattr(_fla(), name)
+        if (self.config.cuda_graphs and site is not None and cu_seqlens is None and initial_state is None
+                and not output_final_state):
+            from . import cuda_graphs
+
+            return cuda_graphs.graphed_call(site, lambda *t: fn(*t, *extra, None, None, False)[0], *tensors), None
+        return fn(*tensors, *extra, cu_seqlens, initial_state, output_final_state)
+
+    def gated_delta_rule(self, q, k, v, a, b, A_log, dt_bias, cu_seqlens=None, initial_state=None,
+                         output_final_state=False, site=None):
+        """Gated DeltaNet core. q, k: [B, T, H, K] before their L2 norm; v: [B, T, HV, V]; a, b: [B, T, HV] raw gate
+        and beta logits. decay = -exp(A_log) * softplus(a + dt_bias) (float32), beta = sigmoid(b). ``site``: the
+        calling layer, for the state the GPU path keeps per layer (CUDA graphs); ignored elsewhere."""
+        if self.backend_for(q) == "fla":
+            return self._fla_mixer("gated_delta_rule", site, (q, k, v, a, b, A_log, dt_bias), cu_seqlens,
+                                   initial_state, output_final_state)
+        g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+        return reference.chunk_delta_rule(
+            reference.l2norm(q.float()), reference.l2norm(k.float()), v, g, torch.sigmoid(b.float()),
+            initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+            chunk_size=GDN_CHUNK,
+        )
+
+    def kda(self, q, k, v, a, b, A_log, dt_bias, cu_seqlens=None, initial_state=None, output_final_state=False,
+            site=None):
+        """Kimi Delta Attention core. As ``gated_delta_rule`` but a: [B, T, HV, K] (one decay per key channel),
+        dt_bias: [HV * K]."""
+        if self.backend_for(q) == "fla":
+            return self._fla_mixer("kda", site, (q, k, v, a, b, A_log, dt_bias), cu_seqlens, initial_state,
+                                   output_final_state)
+        HV, K = a.shape[-2], a.shape[-1]
+        g = -A_log.float().view(HV, 1).exp() * F.softplus(a.float() + dt_bias.float().view(HV, K))
+        return reference.chunk_delta_rule(
+            reference.l2norm(q.float()), reference.l2norm(k.float()), v, g, torch.sigmoid(b.float()),
+            initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+            chunk_size=KDA_CHUNK,
+        )
+
+    def simple_gla(self, q, k, v, g, scale=None, cu_seqlens=None, initial_state=None, output_final_state=False,
+                   site=None):
+        """Linear attention with a scalar log decay g: [B, T, H] per head (Mamba2's SSD with q=C, k=B, v=x*dt)."""
+        if self.backend_for(q) == "fla":
+            return self._fla_mixer("simple_gla", site, (q, k, v, g), cu_seqlens, initial_state, output_final_state,
+                                   scale)
+        return reference.chunk_simple_gla(q, k, v, g.float(), scale=scale, initial_state=initial_state,
+                                          output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+    # ---- convolutions
+
+    def causal_conv1d(self, x, weight, bias=None, activation="silu", cu_seqlens=None, initial_state=None,
+                      output_final_state=False):
+        """Depthwise causal convolution. x: [B, T, D]; weight: [D, W]; states [N, D, W] (last W inputs)."""
+        if self.backend_for(x) == "fla":
+            return _fla().causal_conv1d(x, weight, bias, activation, cu_seqlens, initial_state, output_final_state)
+        return reference.causal_conv1d(x, weight, bias, activation, cu_seqlens, initial_state, output_final_state)
+
+    def short_conv(self, x, weight, bias=None, activation="silu", sizes=None, cu_seqlens=None, initial_state=None,
+                   output_final_state=False):
+        """``causal_conv1d`` with its output as one tensor per block of ``sizes`` channels (default: one), e.g. a
+        mixer's q, k and v. Returns (outputs, final state or None). On GPUs, whole sequences without a state go to
+        our kernels (``conv_triton``), which write each block as its own contiguous tensor (no copy when the
+        recurrent kernels take them); packed documents, decoding and other devices get views of one output."""
+        sizes = tuple(sizes) if sizes else (x.shape[-1],)
+        # inside a sublayer that torch.compile traces whole (compile.components "model") FLA's kernel stays: ours
+        # was not measured there
+        if (self.config.triton_conv and self.backend_for(x) == "fla" and cu_seqlens is None
+                and initial_state is None and not output_final_state and activation in (None, "silu", "swish")
+                and not torch.compiler.is_compiling()):
+            from . import conv_triton
+
+            return list(conv_triton.short_conv(x, weight, bias, activation is not None, sizes)), None
+        y, state = self.causal_conv1d(x, weight, bias, activation, cu_seqlens, initial_state, output_final_state)
+        return list(y.split(sizes, dim=-1)), state
+
+    # ---- norms
+
+    def _compiles_norms(self) -> bool:
+        return self.config.compiled_norms and not self.config.reference
+
+    def rms_norm(self, x, weight, eps):
+        if self._compiles_norms():
+            return _compiled_unless_tracing(reference.rms_norm)(x, weight, eps)
+        if self.backend_for(x) == "fla":
+            return _fla().rms_norm(x, weight, eps)
+        return reference.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        """(rms_norm(x + residual), x + residual): a pre-norm block's residual add and the next norm in one kernel
+        (forward and backward), instead of a separate pass over the residual stream for the add."""
+        if self._compiles_norms():
+            return _compiled_unless_tracing(_add_rms_norm_eager)(x, residual, weight, eps)
+        if self.backend_for(x) == "fla":
+            return _fla().add_rms_norm(x, residual, weight, eps)
+        return _add_rms_norm_eager(x, residual, weight, eps)
+
+    def gated_rms_norm(self, x, gate, weight, eps, activation="swish", norm_before_gate=True, group_size=None):
+        if self.backend_for(x) == "fla":
+            return _fla().gated_rms_norm(x, gate, weight, eps, activation, norm_before_gate, group_size)
+        return reference.gated_rms_norm(x, gate, weight, eps, activation, norm_before_gate, group_size)
+
+    # ---- the MLP, attention, the loss
+
+    def swiglu_linear(self, gate, up, weight):
+        """(silu(gate) * up) @ weight.T, without keeping silu(gate) * up for the backward pass: it is formed again
+        there, in the same pass that computes the gradients of gate and up. Saves one [tokens, hidden] activation
+        per MLP (a quarter of a 300M model's activation memory) for no extra matrix product."""
+        if self.config.compiled_swiglu and not self.config.reference:
+            return _CompiledSwiGLULinear.apply(gate, up, weight)
+        if self.backend_for(gate) == "fla":
+            return _fla().swiglu_linear(gate, up, weight)
+        return F.linear(F.silu(gate) * up, weight)
+
+    def attention(self, q, k, v, scale, cu_seqlens=None, rows=1):
+        """Causal attention. q, k: [B, T, H, Dk]; v: [B, T, H, Dv]; packed documents as ``cu_seqlens`` over a batch
+        of one flattened from ``rows`` rows."""
+        if self.backend_for(q) == "fla":
+            return _fla().attention(q, k, v, scale, cu_seqlens, rows)
+        return reference.causal_attention(q, k, v, scale, cu_seqlens, rows)
+
+    def linear_cross_entropy(self, hidden, weight, targets, ignore_index: int = -100, chunk_size: int = 4096):
+        """Summed cross-entropy of ``hidden @ weight.T`` and the number of counted targets, never holding all the
+        logits (``cross_entropy``); each chunk's elementwise part compiled, in our Triton kernel (GPUs) or eager."""
+        if self.config.compiled_loss:
+            chunk_fn = cross_entropy.compiled_chunk_loss_and_grad()
+        elif self.config.triton_loss and hidden.is_cuda:
+            from . import cross_entropy_triton
+
+            chunk_fn = cross_entropy_triton.chunk_loss_and_grad
+        else:
+            chunk_fn = cross_entropy.chunk_loss_and_grad
+        return cross_entropy.linear_cross_entropy(hidden, weight, targets, ignore_index=ignore_index,
+                                                  chunk_size=chunk_size, chunk_fn=chunk_fn)
 
 
-def attention(q, k, v, scale, cu_seqlens=None, rows=1):
-    """Causal attention. q, k: [B, T, H, Dk]; v: [B, T, H, Dv]; packed documents as ``cu_seqlens`` over a batch of
-    one flattened from ``rows`` rows."""
-    if backend_for(q) == "fla":
-        return _fla().attention(q, k, v, scale, cu_seqlens, rows)
-    return reference.causal_attention(q, k, v, scale, cu_seqlens, rows)
+DEFAULT = Kernels()
+
+# the default configuration's ops as functions, for tests and tools
+gated_delta_rule, kda, simple_gla = DEFAULT.gated_delta_rule, DEFAULT.kda, DEFAULT.simple_gla
+causal_conv1d, short_conv = DEFAULT.causal_conv1d, DEFAULT.short_conv
+rms_norm, add_rms_norm, gated_rms_norm = DEFAULT.rms_norm, DEFAULT.add_rms_norm, DEFAULT.gated_rms_norm
+swiglu_linear, attention, linear_cross_entropy = DEFAULT.swiglu_linear, DEFAULT.attention, DEFAULT.linear_cross_entropy
+backend_for = DEFAULT.backend_for

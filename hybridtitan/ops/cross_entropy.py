@@ -7,12 +7,11 @@ weight. Only those gradients are kept for the backward pass, so the extra memory
 PyTorch: the same code runs on CPU, CUDA and ROCm.
 
 Eagerly, a chunk's softmax costs several passes over its logits (float conversion, max, exp, sum, scaling,
-cast). On GPUs (CUDA, ROCm) a Triton kernel of our own does that part instead (``cross_entropy_triton``: two
-passes over each row, the gradient written in place; ``use_triton_chunks(False)`` turns it off).
-``compile_chunks(True)`` (the trainer's ``compile.components = ["loss"]``) runs it through torch.compile
-instead, on any device: one fused kernel, the fast path on CPUs, and on an H200 6% slower than ours
-(docs/benchmarks.md). Where the backend can (CUDA), each chunk's weight gradient is added to the float32
-accumulator inside its GEMM.
+cast). The caller chooses who does that part (``chunk_fn``; ``Kernels.linear_cross_entropy`` picks it from the
+kernel config): eager PyTorch (``chunk_loss_and_grad``), torch.compile of it (``compiled_chunk_loss_and_grad``:
+one fused kernel, the fast path on CPUs), or on GPUs our Triton kernel (``cross_entropy_triton``: two passes
+over each row, the gradient written in place). Where the backend can (CUDA), each chunk's weight gradient is
+added to the float32 accumulator inside its GEMM.
 """
 
 from __future__ import annotations
@@ -21,36 +20,8 @@ import functools
 
 import torch
 
-_COMPILED = False
-_TRITON = True
 
-
-def compile_chunks(enable: bool = True) -> None:
-    """Fuse each chunk's softmax and gradient with torch.compile (the matrix products stay as they are)."""
-    global _COMPILED
-    _COMPILED = enable
-
-
-def use_triton_chunks(enable: bool = True) -> bool:
-    """On GPUs, each chunk's softmax and gradient in ``cross_entropy_triton``'s kernel (the default) or, off,
-    eagerly; ``compile_chunks(True)`` overrides either. Tensors on other devices are not affected. Returns the
-    previous setting."""
-    global _TRITON
-    previous, _TRITON = _TRITON, enable
-    return previous
-
-
-def _chunk_fn_for(logits: torch.Tensor):
-    if _COMPILED:
-        return _compiled_chunk()
-    if _TRITON and logits.is_cuda:
-        from . import cross_entropy_triton
-
-        return cross_entropy_triton.chunk_loss_and_grad
-    return _chunk_loss_and_grad
-
-
-def _chunk_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor):
+def chunk_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor):
     """Summed loss of one chunk and d loss / d logits (softmax - onehot, zero where not valid), in the logits'
     dtype. logits: [c, V] as the matrix product gave them (overwritten); target: [c, 1] (in range); valid: [c].
 
@@ -68,7 +39,7 @@ def _chunk_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, valid: torc
 
 
 def _chunk_loss_and_grad_fusable(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor):
-    """The same as ``_chunk_loss_and_grad``, written for torch.compile: out of place, and the target's -1 comes
+    """The same as ``chunk_loss_and_grad``, written for torch.compile: out of place, and the target's -1 comes
     from comparing column indices inside the gradient's one expression. (A scatter into the gradient makes
     Inductor write the whole [c, V] gradient and copy it once more: 11.5 ms of a 304 ms step on the H200.)"""
     x = logits.float()
@@ -83,17 +54,18 @@ def _chunk_loss_and_grad_fusable(logits: torch.Tensor, target: torch.Tensor, val
 
 
 @functools.cache
-def _compiled_chunk():
+def compiled_chunk_loss_and_grad():
+    """``chunk_loss_and_grad`` as one torch.compile'd kernel (compiled once per process)."""
     return torch.compile(_chunk_loss_and_grad_fusable, dynamic=False)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """``chunk_fn`` (the signature of ``_chunk_loss_and_grad``) and ``accumulate`` (of ``_accumulate``) replace
-    the chunk's softmax part and its gradient products when given: the benchmark measures alternatives with
-    them before the op changes (scripts/bench_throughput.py)."""
+    """``chunk_fn`` (the signature of ``chunk_loss_and_grad``) does each chunk's softmax part; ``accumulate`` (of
+    ``_accumulate``) replaces its gradient products when given: the benchmark measures alternatives with it
+    before the op changes (gpu/bench_throughput.py)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index: int, chunk_size: int, chunk_fn=None, accumulate=None):
+    def forward(ctx, hidden, weight, targets, ignore_index: int, chunk_size: int, chunk_fn, accumulate=None):
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         n = hidden.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -106,7 +78,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             safe_t = torch.where(valid, t, torch.zeros_like(t)).unsqueeze(1)
             logits = h @ weight.t()
             if need_grad:
-                loss, probs = (chunk_fn or _chunk_fn_for(logits))(logits, safe_t, valid)
+                loss, probs = chunk_fn(logits, safe_t, valid)
                 (accumulate or _accumulate)(grad_hidden, grad_weight, probs.to(hidden.dtype), h, weight, start)
             else:  # evaluation: the loss alone
                 x = logits.float()
@@ -163,19 +135,17 @@ def linear_cross_entropy(
     targets: torch.Tensor,
     ignore_index: int = -100,
     chunk_size: int = 4096,
-    compiled: bool | None = None,
+    chunk_fn=chunk_loss_and_grad,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy of ``hidden @ weight.T`` against ``targets``, and the number of counted tokens.
 
     hidden: [..., D]; weight: [V, D]; targets: [...] (``ignore_index`` marks tokens that do not count).
-    Divide the sum by the count (or by a global token count) for the mean. ``compiled``: for this call, the
-    chunks' elementwise part through torch.compile (True) or eagerly (False); None: as set by ``compile_chunks``
-    and ``use_triton_chunks`` (on GPUs, by default, our Triton kernel).
+    Divide the sum by the count (or by a global token count) for the mean. ``chunk_fn``: each chunk's softmax and
+    gradient (the signature of ``chunk_loss_and_grad``).
     """
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
     if h.shape[0] != t.shape[0]:
         raise ValueError(f"{h.shape[0]} hidden states for {t.shape[0]} targets")
-    chunk_fn = None if compiled is None else (_compiled_chunk() if compiled else _chunk_loss_and_grad)
     loss_sum = _LinearCrossEntropy.apply(h, weight, t, ignore_index, chunk_size, chunk_fn)
     return loss_sum, (t != ignore_index).sum()

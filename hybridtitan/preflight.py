@@ -1,0 +1,185 @@
+"""Everything a run is checked for before it touches anything: a process group, a folder or a file.
+
+    plan = preflight(cfg)        # ConfigError (one line, exit code 2) on any problem
+
+It works out the data-parallel layout, the gradient accumulation, the model, the tokenizer and the data loader,
+and chooses the checkpoint the run starts from, once: the run's own latest complete step (or
+``checkpoint.load_step``), else ``checkpoint.initial_load_path``, else none. That checkpoint must exist, hold this
+model and fit this run's data loader; a rewind that a later resume would undo is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+
+from hybridtitan.checkpoint import (
+    CheckpointError,
+    complete_steps,
+    is_model_only,
+    load_model_args,
+    read_job_config,
+    resolve_checkpoint,
+)
+from hybridtitan.config import ConfigError, model_args
+from hybridtitan.data import build_dataloader, build_tokenizer
+from hybridtitan.errors import first_error_line
+from hybridtitan.models import ModelArgs
+from hybridtitan.parallel import DataParallel, resolve_data_parallel
+
+DEFAULT_SEED = 42
+
+OTHER_WORKERS = ("its data loader state does not fit this run's loader: it needs the data.num_workers of the run "
+                 "that saved it (checkpoint.exclude_from_loading = [\"dataloader\"] starts the data afresh)")
+
+
+@dataclasses.dataclass(frozen=True)
+class StartPoint:
+    """The checkpoint a run starts from."""
+
+    step_dir: str
+    model_only: bool  # load the weights alone (an import's step-0, or initial_load_model_only)
+    said: str  # how the log names it: "resumed from ..." or "initialised from ..."
+    ignored_initial_load_path: bool = False  # the run's own checkpoint won over checkpoint.initial_load_path
+
+
+@dataclasses.dataclass
+class Plan:
+    """What the checks before any side effect worked out."""
+
+    device: torch.device
+    world_size: int
+    dp: DataParallel
+    grad_accum: int
+    model_args: ModelArgs
+    tokenizer: Any
+    dataloader: Any
+    seed: int
+    start: StartPoint | None
+
+
+def preflight(cfg) -> Plan:
+    """Every check that can fail on the user's input, before a process group, a folder or a file is made."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    try:
+        dp = resolve_data_parallel(cfg.parallelism.data_parallel_replicate_degree,
+                                   cfg.parallelism.data_parallel_shard_degree, world_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    t = cfg.training
+    per_step = t.local_batch_size * dp.size
+    global_batch = per_step if t.global_batch_size == -1 else t.global_batch_size
+    if global_batch % per_step:
+        raise ConfigError(f"training.global_batch_size ({global_batch}) is not divisible by local_batch_size x "
+                          f"data-parallel size ({t.local_batch_size} x {dp.size} = {per_step})")
+    args = model_args(cfg)
+    tokenizer = None
+    if cfg.data.source != "mock":
+        try:
+            tokenizer = build_tokenizer(cfg.data.tokenizer)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    seed = DEFAULT_SEED if cfg.debug.seed is None else cfg.debug.seed
+    try:  # only data parallelism: the data-parallel rank is the global rank
+        dataloader = build_dataloader(
+            cfg.data, tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
+            dp_rank=int(os.environ.get("RANK", "0")), dp_world_size=dp.size, seed=seed, vocab_size=args.vocab_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    start = choose_start(cfg)
+    if start is not None:
+        check_start(cfg, start, args)
+    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    return Plan(device, world_size, dp, global_batch // per_step, args, tokenizer, dataloader, seed, start)
+
+
+def choose_start(cfg) -> StartPoint | None:
+    """The checkpoint the run starts from: its own folder's (the latest complete step, or checkpoint.load_step)
+    first, then checkpoint.initial_load_path; refused where that would lose or undo work."""
+    c = cfg.checkpoint
+    folder = os.path.join(cfg.job.dump_folder, c.folder)
+    steps = complete_steps(folder) if c.enable else []
+    if c.enable and not steps and not c.initial_load_path and os.path.isfile(os.path.join(folder, ".metadata")):
+        # e.g. python -m hybridtitan.import_hf --output DUMP/checkpoint: training from scratch beside it would
+        # look like a resume that silently lost its weights
+        raise ConfigError(f"{folder} holds a checkpoint itself, not in a step-N folder: move it to "
+                          f"{os.path.join(folder, 'step-0')} to start from its weights (or name it in "
+                          "checkpoint.initial_load_path)")
+    start = _start_in(cfg, folder, steps)
+    if steps and steps[-1] > 0 and "train_state" in c.exclude_from_loading:
+        raise ConfigError(f"checkpoint.exclude_from_loading: train_state restarts the step count at 0 in {folder}, "
+                          f"which holds step {steps[-1]}: the new checkpoints would sit below it (the next resume "
+                          "would return to it, and keep_latest_k would delete them). To train on from its weights, "
+                          "give it as checkpoint.initial_load_path with another job.dump_folder")
+    return start
+
+
+def _start_in(cfg, folder: str, steps: list[int]) -> StartPoint | None:
+    c = cfg.checkpoint
+    if c.enable and c.load_step > 0:
+        try:
+            step_dir = resolve_checkpoint(folder, c.load_step)
+        except ValueError as e:
+            raise ConfigError(f"checkpoint.load_step: {e}") from None
+        newer = [s for s in steps if s > c.load_step]
+        if newer:
+            raise ConfigError(f"checkpoint.load_step {c.load_step} is older than step(s) "
+                              f"{', '.join(map(str, newer))} in {folder}: move those folders away first (the next "
+                              "resume would return to them, and keep_latest_k would delete the new ones)")
+        return StartPoint(step_dir, model_only=False, said=f"resumed from {step_dir}")
+    if steps:
+        step_dir = os.path.join(folder, f"step-{steps[-1]}")
+        # step 0 is a model-only starting point on purpose (import_hf); a later model-only step ends a run: taking
+        # it as the resume point would restart at step 0 below the older full checkpoints, and keep_latest_k would
+        # then delete the new ones
+        if steps[-1] > 0 and is_model_only(step_dir):
+            raise ConfigError(f"{step_dir} holds only the model (written by import_hf, or by "
+                              "checkpoint.last_save_model_only): a run cannot go on from it, only start from it as "
+                              "step-0. To train on from its weights, give it as checkpoint.initial_load_path with "
+                              "another job.dump_folder")
+        return StartPoint(step_dir, model_only=steps[-1] == 0, said=f"resumed from {folder}/step-{steps[-1]}",
+                          ignored_initial_load_path=bool(c.initial_load_path))
+    if c.initial_load_path:
+        try:
+            step_dir = resolve_checkpoint(c.initial_load_path)
+        except ValueError as e:
+            raise ConfigError(f"checkpoint.initial_load_path: {e}") from None
+        model_only = c.initial_load_model_only
+        return StartPoint(step_dir, model_only, said=f"initialised from {step_dir}" + (" (model only)" if model_only
+                                                                                       else ""))
+    return None
+
+
+def check_start(cfg, start: StartPoint, args: ModelArgs) -> None:
+    """The starting checkpoint holds this model, and its data loader state fits this run's loader."""
+    try:
+        saved = load_model_args(start.step_dir)
+    except CheckpointError as e:  # load_model_args turns every read or parse failure into one
+        raise ConfigError(f"{start.step_dir} is not a hybridtitan checkpoint: {first_error_line(e)}") from None
+    if saved != args:
+        diff = [f.name for f in dataclasses.fields(args) if getattr(saved, f.name) != getattr(args, f.name)]
+        raise ConfigError(f"{start.step_dir} holds a different model than the recipe (differs in: model."
+                          f"{', model.'.join(diff)}); use another job.dump_folder or the checkpoint's model")
+    loads_the_loader = "dataloader" not in cfg.checkpoint.exclude_from_loading
+    if not start.model_only and loads_the_loader and not is_model_only(start.step_dir):
+        # A loader's state holds one position per worker: it loads only into the same data.num_workers. Said before
+        # loading, since DCP and the loader refuse others in ways that name neither (a bare assertion, for one).
+        for _, was, now in changed_settings(cfg, start.step_dir, ("data.num_workers",)):
+            raise ConfigError(f"cannot resume from {start.step_dir}: {OTHER_WORKERS}: the checkpoint's "
+                              f"data.num_workers is {was}, this run's {now}")
+
+
+def changed_settings(cfg, step_dir: str, keys: tuple[str, ...]) -> list[tuple[str, object, object]]:
+    """The job-config keys ("section.name") whose value in the step folder's job config differs from this run's, as
+    (key, the checkpoint's, this run's); none where it has no job config to compare with (written by other tools)."""
+    try:
+        saved = read_job_config(step_dir)
+        was = {key: saved[key.split(".")[0]][key.split(".")[1]] for key in keys}
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    now = {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in keys}
+    return [(key, was[key], now[key]) for key in keys if was[key] != now[key]]

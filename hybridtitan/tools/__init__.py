@@ -1,1 +1,0 @@
-"""Developer tools that are not part of training: kernel recording for the ROCm compile check."""

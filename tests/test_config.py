@@ -1,0 +1,136 @@
+"""The recipe and its overrides: every mistake is one line on stderr and exit code 2, before anything is written;
+--help lists the keys hybridtitan reads."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+from helpers import RECIPE, ROOT, env, main_error
+
+from hybridtitan import train
+
+
+BAD_TOML = {
+    "syntax": "[training\nsteps = 3\n",
+    "unknown_section": "[trainingg]\nsteps = 3\n",
+    "unknown_key": "[training]\nstepz = 3\n",
+    "wrong_type": '[training]\nsteps = "many"\n',
+}
+
+@pytest.mark.parametrize("case", sorted(BAD_TOML))
+def test_bad_toml(tmp_path, capsys, case):
+    recipe = tmp_path / "bad.toml"
+    recipe.write_text(BAD_TOML[case])
+    code, err = main_error(capsys, ["--job.config_file", str(recipe), "--job.dump_folder", str(tmp_path / "d")])
+    assert code == 2
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert {"syntax": "TOML syntax error", "unknown_section": "unknown section 'trainingg'",
+            "unknown_key": "unknown key 'training.stepz' in section [training] (did you mean 'training.steps'?)",
+            "wrong_type": "training.steps must be int"}[case] in err
+    assert not (tmp_path / "d").exists()
+
+BAD_CLI = {
+    "cli_wrong_type": (["--training.steps", "many"], "training.steps"),
+    "cli_unknown_key": (["--training.stepz", "3"], "unknown option --training.stepz"),
+    "missing_data": (["--data.path", "/nonexistent/corpus.jsonl"], "data.path"),
+    "vocab_too_small": (["--model.vocab_size", "1000"], "larger than the model's vocab_size (1000)"),
+    "seq_len_zero": (["--training.seq_len", "0"], "training.seq_len must be positive"),
+    "steps_negative": (["--training.steps", "-5"], "training.steps must be positive"),
+    "batch_not_divisible": (["--training.local_batch_size", "3", "--training.global_batch_size", "8"],
+                            "not divisible"),
+    "bad_pattern": (["--model.pattern", "*-M-X-"], "position 4"),
+    # the key as the user wrote it, without tyro's dashes and trailing "Argument helptext:"
+    "cli_not_an_int": (["--training.seq_len", "abc"], "--training.seq_len must be an integer, got 'abc'"),
+    "cli_not_a_bool": (["--checkpoint.enable", "maybe"], "--checkpoint.enable must be true or false, got 'maybe'"),
+    "tokenizer_not_found": (["--data.tokenizer", "no_such_tokenizer_folder"],
+                            "no_such_tokenizer_folder: no such local folder, and from the Hugging Face Hub:"),
+}
+
+@pytest.mark.parametrize("case", sorted(BAD_CLI))
+def test_bad_cli(tmp_path, capsys, case):
+    """Each problem: one line on stderr, exit code 2, and the existing checkpoint untouched."""
+    dump = tmp_path / "d"
+    ckpt = dump / "checkpoint" / "step-5"
+    ckpt.mkdir(parents=True)
+    (ckpt / ".metadata").write_text("x")
+    before = {p: p.stat().st_mtime_ns for p in dump.rglob("*")}
+    argv, expected = BAD_CLI[case]
+    code, err = main_error(capsys, ["--job.config_file", RECIPE, "--job.dump_folder", str(dump), *argv])
+    assert code == 2
+    assert err.startswith("error: ") and "\n" not in err and expected in err and "helptext" not in err, err
+    assert {p: p.stat().st_mtime_ns for p in dump.rglob("*")} == before
+
+def test_no_arguments_prints_the_usage(capsys):
+    code, err = main_error(capsys, [])
+    assert code == 2 and err.startswith("usage: python -m hybridtitan.train --job.config_file RECIPE.toml"), err
+    assert err.splitlines()[-1].startswith("error: give a recipe"), err
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--model.n_layers", "12"], "hand-written pattern"),  # debug_hybrid's pattern is not the ratio's
+    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "0"],
+     "selective_ac_option must be an integer N >= 1"),
+    (["--data.text_field", "nope"], "data.text_field"),
+    (["--checkpoint.async_mode", "async_with_pinned_mem"], "checkpoint.async_mode"),
+    (["--compile.enable", "true", "--compile.components", "loss,nrom"],
+     "must name some of model, loss, norm and swiglu"),
+    (["--parallelism.fsdp_reshard_after_forward", "sometimes"], "invalid choice 'sometimes'"),
+    (["--training.gc_freq", "0"], "training.gc_freq must be 1 or more"),
+    (["--training.max_norm", "-1"], "training.max_norm must be a positive number"),
+    (["--optimizer.lr", "nan"], "optimizer.lr must be a positive number"),
+    (["--optimizer.beta1", "1.5"], "optimizer.beta1 must be in [0, 1)"),
+    (["--optimizer.weight_decay", "-0.1"], "optimizer.weight_decay must be 0 or more"),
+    (["--lr_scheduler.min_lr_factor", "2"], "lr_scheduler.min_lr_factor must be in [0, 1]"),
+    (["--debug.seed", "-1"], "debug.seed must be in [0, 2**32)"),
+    (["--profiling.enable_profiling", "--profiling.profiler_active", "0"], "profiling.profiler_active"),
+    # tyro's messages, in the keys and words the user typed
+    (["--lr_scheduler.decay_type", "cosin"], "invalid choice 'cosin' for argument '--lr_scheduler.decay_type'"),
+    (["--activation_checkpoint.mode", "selectiv"],
+     "--activation_checkpoint.mode must be none, selective or full, got 'selectiv'"),
+    (["--training.steps", "four"], "--training.steps must be an integer, got 'four'"),
+    (["--optimizer.lr", "abc"], "--optimizer.lr must be a number, got 'abc'"),
+    (["--training.steps"], "--training.steps needs a value"),
+    (["--model.dim", "x"], "--model.dim must be an integer (or None), got 'x'"),
+    (["--model.mamba2.d_state"], "--model.mamba2.d_state needs a value"),
+    pytest.param(["--metrics.enable_wandb", "true"], "metrics.enable_wandb needs the wandb package",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb installed")),
+])
+def test_more_bad_input(tmp_path, capsys, argv, expected):
+    code, err = main_error(capsys, ["--job.config_file", RECIPE, "--job.dump_folder", str(tmp_path / "d"), *argv])
+    assert code == 2 and err.startswith("error: ") and "\n" not in err and expected in err, err
+    assert not (tmp_path / "d").exists()
+
+def test_bad_input_subprocess_no_traceback(tmp_path):
+    """The real command line: exit code 2, one stderr line, no traceback."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "hybridtitan.train", "--job.config_file", RECIPE, "--training.steps", "0",
+         "--job.dump_folder", str(tmp_path / "d")], cwd=ROOT, env=env(), capture_output=True, text=True)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == ["error: training.steps must be positive, got 0"], proc.stderr
+    assert not (tmp_path / "d").exists()
+
+def test_help_lists_the_supported_keys(capsys):
+    """--help: hybridtitan's keys with their own descriptions, torchtitan's refused options left out."""
+    from hybridtitan import describe
+    from hybridtitan.config import SUPPORTED_TITAN_KEYS, _check_cli
+
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    listed = {line.split()[0][2:] for line in out.splitlines() if line.startswith("  --")}
+    _check_cli([f"--{key}" for key in listed])  # every key listed is one the parser knows
+    for section, keys in SUPPORTED_TITAN_KEYS.items():
+        assert {f"{section}.{k}" for k in keys} <= listed
+    assert {"training.loss_chunk_size", "data.document_boundaries", "model.pattern", "model.mla.kv_lora_rank",
+            "checkpoint.last_save_model_only"} <= listed
+    assert not {"parallelism.tensor_parallel_degree", "training.dataset", "job.custom_config_module"} & listed
+    assert not any(key.startswith(("quantize.", "validation.", "fault_tolerance.")) for key in listed)
+    assert "Tokens per chunk of the fused linear cross-entropy" in out  # the docstring of a merged-in key
+    assert "--checkpoint.async_mode (disabled or async;" in out  # not torchtitan's async_with_pinned_mem
+    with pytest.raises(SystemExit) as exc:
+        describe.main(["--help"])
+    assert exc.value.code == 0 and "python -m hybridtitan.describe --list" in capsys.readouterr().out
