@@ -1,19 +1,23 @@
 """Training throughput on one GPU: hybridtitan against FLA's Hugging Face models, wrapped the same way.
 
-    python scripts/bench_throughput.py                   # gdn_300M, kda_300M (+ FLA twice), zebra_*_300M, gdn_1B
-    python scripts/bench_throughput.py --models gdn_300M,kda_300M --markdown $OUT/benchmarks.md --json $OUT/bench.json
-    python scripts/bench_throughput.py --models gdn_300M --impls hybridtitan --profile gdn_300M
-    python scripts/bench_throughput.py --device cpu --tiny   # dry run on a CPU: the whole flow, debug flavors
+    python gpu_harness/bench_throughput.py                 # gdn_300M, kda_300M (+ FLA twice), zebra_*_300M, gdn_1B
+    python gpu_harness/bench_throughput.py --models gdn_300M,kda_300M --markdown $OUT/benchmarks.md --json $OUT/b.json
+    python gpu_harness/bench_throughput.py --models gdn_300M --impls hybridtitan --profile gdn_300M
+    python gpu_harness/bench_throughput.py --device cpu --tiny   # dry run on a CPU: the whole flow, debug flavors
 
 One process, world size 1: a process group of one (NCCL; gloo on a CPU) and a 1-D mesh, so that FSDP2 works as
-in the trainer. Every implementation gets the same treatment: fully_shard per block then the root
-(hybridtitan.parallel.apply_fsdp for ours; FLA's model.model.layers[i], then the model, with the same
-reshard-after-forward choice), bf16 parameters and float32 gradient reduction, torch.optim.AdamW(fused=True),
-the same random token batches of micro-batch B x seq, and the trainer's CUDA allocator setting
-(expandable_segments:True) set once before the first CUDA allocation. Our step: model(ids, labels=shifted ids);
+in the trainer. Every implementation gets the same treatment: fully_shard per block then the root (ours built
+by hybridtitan.train.build_parallel_model under the variant's kernel configuration; FLA's model.model.layers[i],
+then the model, through hybridtitan.parallel.apply_fsdp with the same reshard-after-forward choice), bf16
+parameters and float32 gradient reduction, torch.optim.AdamW(fused=True), the same random token batches of
+micro-batch B x seq, and the trainer's CUDA allocator setting (expandable_segments:True) set once before the
+first CUDA allocation. Our step: model(ids, labels=shifted ids);
 FLA's: model(input_ids=ids, labels=ids) (FLA shifts the labels itself), so both count the same B x (seq - 1)
 tokens. FLA runs twice: 'fla-ce' (fuse_cross_entropy: its fused CE over the full logits) and 'fla-flce'
-(fuse_linear_cross_entropy).
+(fuse_linear_cross_entropy). Ours runs as the variants of OURS, each a kernel configuration
+(hybridtitan.ops.KernelConfig) and whether torch.compile takes every sublayer whole; two versions of the code
+are compared by running this script from each checkout (gpu_harness/trainer_speed.py --tree does it for the
+trainer in one run).
 
 Measured: warm-up steps (the first includes Triton autotuning; peak-memory statistics are reset after it), then
 timed steps between CUDA events. tokens/s = B x seq x steps / time; MFU = counted training FLOPs per token
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import gc
 import gzip
 import json
@@ -39,45 +44,65 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)  # common.py, beside this script
 
 import torch  # noqa: E402
-from _gpu_common import (  # noqa: E402
+from common import (  # noqa: E402
+    DATASHEET_FLOPS,
     Timer,
     fla_config,
     fla_model_class,
     format_table,
     free_memory,
     init_process_group_of_one,
+    is_oom,
     is_pure_fla_model,
+    matmul_rate,
     one_line,
+    rel_err,
     set_expandable_segments,
     sync,
     versions,
     write_json,
 )
 
-DATASHEET_FLOPS = 989e12
 MODELS = "gdn_300M,kda_300M,zebra_gdn_300M,zebra_mamba2_300M,gdn_1B"
 FLA_MODELS = "gdn_300M,kda_300M"
-# hybridtitan's variants: what torch.compile covers. "hybridtitan" is what the recipes run (compile.components =
-# ["norm", "swiglu"]: the RMSNorms with their residual adds fused, the MLPs' SwiGLU passes; each cross-entropy
-# chunk's softmax and the short convolutions in our Triton kernels, the GPUs' default; the rest eager);
-# -fla-swiglu leaves SwiGLU to FLA's kernels (["norm"], the recipes before); -compiled-loss runs the chunks
-# through torch.compile instead (["loss", "norm"], the recipes before that); -fla-norm leaves the norms to FLA's
-# kernel and compiles the chunks (["loss"]); -eager compiles nothing (the chunks in our kernel); -compiled also
-# compiles every sublayer whole (["model", "loss", "norm", "swiglu"]). -fla-conv is the recipes with FLA's
-# short-convolution kernels instead of ours (ops.use_triton_conv(False); "fla-conv" is not a compile component).
-# -graphs is the recipes with the recurrent mixers' FLA calls replayed from CUDA graphs (ops.use_cuda_graphs).
-OURS = {"hybridtitan": ("norm", "swiglu"), "hybridtitan-fla-conv": ("norm", "swiglu", "fla-conv"),
-        "hybridtitan-graphs": ("norm", "swiglu", "graphs"),
-        "hybridtitan-fla-swiglu": ("norm",),
-        "hybridtitan-compiled-loss": ("loss", "norm"), "hybridtitan-fla-norm": ("loss",), "hybridtitan-eager": (),
-        "hybridtitan-compiled": ("model", "loss", "norm", "swiglu"), "hybridtitan-r3": ("loss",)}
-# hybridtitan as it was measured in docs/benchmarks.md's third measurement, for a before / after in one run: the
-# residual add as its own pass before each norm (FLA's norm kernel), and every sublayer but the last resharding
-# after the forward pass whatever the shard degree
-PREVIOUS = {"hybridtitan-r3"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One way of running our model: KernelConfig fields over the recipes' GPU kernels (below), and
+    torch.compile of every sublayer whole (compile.components "model")."""
+
+    what: str
+    kernels: dict = dataclasses.field(default_factory=dict)
+    compile_model: bool = False
+
+
+# What the GPU recipes run (hybridtitan.train.kernel_config of compile.components = ["norm", "swiglu"]): the
+# RMSNorms with the residual adds fused into them and the MLPs' SwiGLU passes compiled; each cross-entropy chunk's
+# softmax and the short convolutions in our Triton kernels; the rest FLA's kernels. The residual adds are fused
+# on a CPU too (the trainer fuses them on GPUs only: on a CPU there is no kernel to save), so that the dry run
+# takes the GPU's code path.
+RECIPE_KERNELS = {"fused_residual": True, "compiled_norms": True, "compiled_swiglu": True}
+OURS = {
+    "hybridtitan": Variant("the recipes' kernels"),
+    "hybridtitan-fla-conv": Variant("FLA's short-convolution kernels instead of ours", {"triton_conv": False}),
+    "hybridtitan-graphs": Variant("the recurrent mixers' FLA calls replayed from CUDA graphs", {"cuda_graphs": True}),
+    "hybridtitan-fla-swiglu": Variant("SwiGLU in FLA's kernels", {"compiled_swiglu": False}),
+    "hybridtitan-compiled-loss": Variant("the norms and the loss chunks compiled, SwiGLU in FLA's kernels",
+                                         {"compiled_swiglu": False, "compiled_loss": True}),
+    "hybridtitan-fla-norm": Variant("the loss chunks compiled, the norms and SwiGLU in FLA's kernels",
+                                    {"compiled_norms": False, "compiled_swiglu": False, "compiled_loss": True}),
+    "hybridtitan-eager": Variant("nothing compiled", {"compiled_norms": False, "compiled_swiglu": False}),
+    "hybridtitan-compiled": Variant("every sublayer compiled whole, the loss chunks too", {"compiled_loss": True},
+                                    compile_model=True),
+    "hybridtitan-unfused-residual": Variant("each residual add a pass of its own before the next norm",
+                                            {"fused_residual": False}),
+}
 IMPLS = (*OURS, "fla-ce", "fla-flce")
 DEFAULT_IMPLS = "hybridtitan,fla-ce,fla-flce"
 LADDER = (32, 24, 16, 12, 8, 6, 4, 2, 1)
@@ -147,27 +172,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-# ================================================================================================ measurement
-
-
-def matmul_rate(device: torch.device, n: int, warmup: int = 3, iters: int = 10) -> float:
-    """FLOP/s of an n x n x n bf16 torch.matmul, mean over ``iters`` after ``warmup``."""
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(warmup):
-        c = a @ b
-    with Timer(device) as t:
-        for _ in range(iters):
-            c = a @ b
-    del a, b, c
-    free_memory(device)
-    return 2 * n ** 3 * iters / t.seconds
-
-
-def is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
-
-
 # ================================================================================================ models
 
 
@@ -177,44 +181,20 @@ def model_args_for(name: str, tiny: bool):
     return get_flavor(TINY_FLAVOR.get(name, name) if tiny else name)
 
 
-@contextlib.contextmanager
-def previous_version(impl: str):
-    """Within this block the model and its wrapping behave as in PREVIOUS (nothing changes for other impls)."""
-    if impl not in PREVIOUS:
-        yield
-        return
-    from hybridtitan import ops, parallel
+def kernel_config(impl: str):
+    """The KernelConfig of one of our variants."""
+    from hybridtitan.ops import KernelConfig
 
-    saved = ops.add_rms_norm, parallel.reshard_after_forward_for
-
-    def unfused_add_rms_norm(x, residual, weight, eps):
-        total = x + residual
-        return ops.rms_norm(total, weight, eps), total
-
-    def reshard_all_but_last(policy, index, n_layers, shard_degree):
-        return index is not None and index < n_layers - 1
-
-    ops.add_rms_norm, parallel.reshard_after_forward_for = unfused_add_rms_norm, reshard_all_but_last
-    try:
-        yield
-    finally:
-        ops.add_rms_norm, parallel.reshard_after_forward_for = saved
+    return KernelConfig(**{**RECIPE_KERNELS, **OURS[impl].kernels})
 
 
-def build_ours(margs, mesh, device, param_dtype, ac: str, compiled: tuple[str, ...]):
-    """Exactly as the trainer builds it (hybridtitan.train.build_parallel_model), with torch.compile on the
-    components named as in the trainer's compile.components ("model": each sublayer, "loss": the cross-entropy
-    chunks, "norm": the RMSNorms with their residual adds)."""
+def build_ours(margs, mesh, device, param_dtype, ac: str, impl: str):
+    """As the trainer builds it (hybridtitan.train.build_parallel_model), under the variant's kernels."""
     from hybridtitan import ops
     from hybridtitan.train import build_parallel_model
 
-    ops.compile_loss("loss" in compiled)
-    ops.compile_norms("norm" in compiled)
-    ops.compile_swiglu("swiglu" in compiled)
-    ops.use_triton_conv("fla-conv" not in compiled)  # not a compile setting: FLA's convolution kernels
-    ops.use_cuda_graphs("graphs" in compiled)  # nor this
-    return build_parallel_model(margs, mesh, device, ac_mode=ac, compile_model="model" in compiled,
-                                param_dtype=param_dtype)
+    return build_parallel_model(margs, mesh, device, kernels=ops.Kernels(kernel_config(impl)), ac_mode=ac,
+                                compile_model=OURS[impl].compile_model, param_dtype=param_dtype)
 
 
 def build_fla(margs, impl: str, mesh, device, param_dtype, ac: str):
@@ -275,7 +255,7 @@ def run_case(args, mesh, device, name: str, impl: str, batch: int, info: dict) -
     t_build = time.perf_counter()
     torch.manual_seed(args.seed)  # the same initial weights for every case of a model: comparable step-1 losses
     if impl in OURS:
-        model = build_ours(margs, mesh, device, param_dtype, args.ac, OURS[impl])
+        model = build_ours(margs, mesh, device, param_dtype, args.ac, impl)
     else:
         model = build_fla(margs, impl, mesh, device, param_dtype, args.ac)
     optimizer = build_optimizer(model, device, args.lr)
@@ -453,8 +433,7 @@ def run_with_retry(args, mesh, device, name: str, impl: str, info: dict) -> dict
     for batch in ladder:
         error = None
         try:
-            with previous_version(impl):
-                row = run_case(args, mesh, device, name, impl, batch, info)
+            row = run_case(args, mesh, device, name, impl, batch, info)
             if tried:
                 row["oom_at"] = tried
             return row
@@ -463,7 +442,7 @@ def run_with_retry(args, mesh, device, name: str, impl: str, info: dict) -> dict
                 traceback.print_exc()
             error, oom = one_line(e), is_oom(e)
         # outside the except block: the traceback (and the model it holds) is gone before memory is freed
-        if OURS.get(impl):
+        if impl in OURS:  # a variant that compiles keeps its graphs (and their memory) until reset
             torch._dynamo.reset()
         free_memory(device)
         if not oom:
@@ -481,10 +460,11 @@ def run_with_retry(args, mesh, device, name: str, impl: str, info: dict) -> dict
 
 def ce_bench(args, device) -> list[dict]:
     """Forward + backward of the output layer's loss, [tokens, dim] x [vocab, dim] in bf16: the op's compiled
-    path (compile.components = ["loss"]; the first row, the yardstick of the others' gradients), our Triton kernel
-    for the chunks' softmax (ops.use_triton_loss) at several settings, ours eagerly, and FLA's fused linear
-    cross-entropy."""
-    from hybridtitan import ops
+    path (KernelConfig(compiled_loss=True), compile.components = ["loss"]; the first row, the yardstick of the
+    others' gradients), our Triton kernel for the chunks' softmax (KernelConfig.triton_loss, the GPUs' default)
+    at several settings, the eager chunks, and FLA's fused linear cross-entropy. Other settings of our kernel go
+    in as the ``chunk_fn`` of hybridtitan.ops.cross_entropy.linear_cross_entropy."""
+    from hybridtitan.ops import KernelConfig, Kernels, cross_entropy
 
     tiny = args.tiny
     tokens = args.ce_tokens or (512 if tiny else min(args.batch * args.seq, 65536))
@@ -498,18 +478,17 @@ def ce_bench(args, device) -> list[dict]:
     count = (targets != -100).sum().clamp(min=1)
     chunk = 256 if tiny else 4096
 
-    def ours(h, w):
-        return ops.linear_cross_entropy(h, w, targets, chunk_size=chunk, compiled=False)[0] / count
+    def under(config: KernelConfig):
+        kernels = Kernels(config)
 
-    def ours_compiled(h, w):
-        return ops.linear_cross_entropy(h, w, targets, chunk_size=chunk, compiled=True)[0] / count
+        def fn(h, w):
+            return kernels.linear_cross_entropy(h, w, targets, chunk_size=chunk)[0] / count
+        return fn
 
     def fla_flce(h, w):
         from fla.modules import FusedLinearCrossEntropyLoss
 
         return FusedLinearCrossEntropyLoss(reduction="mean")(h, targets, w)
-
-    from hybridtitan.ops.cross_entropy import _LinearCrossEntropy
 
     def triton_chunks(block, warps, programs):
         from hybridtitan.ops import cross_entropy_triton
@@ -518,7 +497,7 @@ def ce_bench(args, device) -> list[dict]:
             return cross_entropy_triton.chunk_loss_and_grad(logits, target, valid, block, warps, programs)
 
         def fn(h, w):
-            return _LinearCrossEntropy.apply(h, w, targets, -100, chunk, chunk_fn) / count
+            return cross_entropy.linear_cross_entropy(h, w, targets, chunk_size=chunk, chunk_fn=chunk_fn)[0] / count
         return fn
 
     # Triton kernel settings (block of columns, warps, programs: None = one per row, else that many looping)
@@ -531,9 +510,12 @@ def ce_bench(args, device) -> list[dict]:
             return f"hybridtitan, our Triton kernel, blocks {b}, {w} warps, a program per row (the recipes')"
         return f"candidate: Triton kernel, blocks {b}, {w} warps, " + (f"{p} programs" if p else "a program per row")
 
-    impls = [("hybridtitan, chunks compiled (compile.components = [\"loss\"])", ours_compiled),
+    impls = [("hybridtitan, chunks compiled (compile.components = [\"loss\"])",
+              under(KernelConfig(compiled_loss=True))),
              *((triton_label(b, w, p), triton_chunks(b, w, p)) for b, w, p in triton_configs),
-             ("hybridtitan ops.linear_cross_entropy, eager", ours), ("FLA FusedLinearCrossEntropyLoss", fla_flce)]
+             ("hybridtitan ops.linear_cross_entropy, eager chunks (triton_loss off)",
+              under(KernelConfig(triton_loss=False))),
+             ("FLA FusedLinearCrossEntropyLoss", fla_flce)]
     rows, base = [], None
     flops = 6 * tokens * dim * vocab  # logits, grad of the hidden states, grad of the weight
     for label, fn in impls:
@@ -562,8 +544,6 @@ def ce_bench(args, device) -> list[dict]:
             if base is None:  # kept off the GPU, so that it is not in the later rows' peak memory
                 base = tuple(t.cpu() for t in out)
             else:
-                from _gpu_common import rel_err
-
                 row.update(loss_rel_vs_first=abs(row["loss"] - base[0].item()) / abs(base[0].item()),
                            grad_hidden_err_vs_first=rel_err(out[1], base[1]),
                            grad_weight_err_vs_first=rel_err(out[2], base[2]))
@@ -626,21 +606,25 @@ def table_rows(rows: list[dict]) -> list[list]:
     return out
 
 
+def variants_text(impls) -> str:
+    """What each of our variants in ``impls`` runs, in the order given."""
+    ours = list(dict.fromkeys(i for i in impls if i in OURS))
+    return "; ".join(f"{i}: {OURS[i].what}" for i in ours)
+
+
 def settings_text(args, info: dict, device) -> str:
     alloc = "CUDA allocator expandable_segments:True (set before the first CUDA allocation, both implementations)" \
         if info.get("expandable_segments") else "default allocator (CPU)"
+    variants = variants_text([*args.impls, *(impl for _, impl in args.extra)])
     return (f"{info.get('gpu') or info.get('cpu')}; torch {info['torch']} (CUDA {info['cuda']}), triton "
             f"{info['triton']}, fla {info['fla']}, transformers {info['transformers']}.\n"
             f"One process (world size 1, {'NCCL' if device.type == 'cuda' else 'gloo'}), FSDP2 fully_shard per "
             f"block + root, {'bf16' if device.type == 'cuda' else 'float32'} params / float32 reduce, "
             f"AdamW(fused=True), seq {args.seq}, warm-up {args.warmup} + {args.steps} timed steps, activation "
-            f"checkpointing {args.ac}; torch.compile: hybridtitan = the recipes' setting (the RMSNorms with "
-            f"their residual adds and the MLPs' SwiGLU passes compiled, each cross-entropy chunk's softmax and the "
-            f"short convolutions in our Triton kernels, the rest eager), -fla-conv FLA's convolution kernels, "
-            f"-fla-swiglu SwiGLU in FLA's kernels, -compiled-loss the norms and "
-            f"the chunks compiled, -fla-norm the chunks only, -eager nothing, -compiled every sublayer whole too; "
-            f"-r3 as measured before the fused residual adds; FLA eager; one shard, so no reshard after the "
-            f"forward pass (both); {alloc}.\n"
+            f"checkpointing {args.ac}; the recipes' kernels: the RMSNorms with the residual adds fused into them "
+            f"and the MLPs' SwiGLU passes compiled, each cross-entropy chunk's softmax and the short convolutions "
+            f"in our Triton kernels, the rest FLA's{'; ' + variants if variants else ''}; FLA eager; one shard, so "
+            f"no reshard after the forward pass (both); {alloc}.\n"
             f"Measured bf16 matmul ({args.matmul_size}^3): {info['matmul_flops'] / 1e12:.4g} TFLOP/s; MFU from "
             f"hybridtitan.models.flops (same count for FLA's model of the same configuration). fla-ce: FLA's "
             f"fused cross-entropy over the full logits; fla-flce: its fused linear cross-entropy; ours: the "
@@ -749,7 +733,7 @@ def main(argv=None) -> int:
     if args.json:
         print(f"wrote {args.json}")
     with contextlib.suppress(Exception):
-        from _gpu_common import destroy_process_group
+        from common import destroy_process_group
 
         destroy_process_group()
     return 1 if any(r["status"] == "FAIL" for r in rows) else 0

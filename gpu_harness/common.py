@@ -1,7 +1,8 @@
-"""Helpers shared by the GPU scripts (gpu_check, bench_throughput, the probes; not a public module).
+"""Helpers shared by the GPU harness's scripts (gpu_check, bench_throughput, trainer_speed).
 
-Error measures, a timer, tables, the process group of one that FSDP2 needs, the CUDA allocator setting of the trainer,
-and the FLA Hugging Face twin of a pure GDN / KDA model (its configuration and the state-dict name mapping).
+Error measures, a timer, the bf16 matmul rate, tables, the process group of one that FSDP2 needs, the CUDA
+allocator setting of the trainer, models built under a chosen kernel configuration from given weights, and the
+FLA Hugging Face twin of a pure GDN / KDA model (its configuration and the state-dict name mapping).
 """
 
 from __future__ import annotations
@@ -14,14 +15,21 @@ import platform
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HARNESS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HARNESS)
 if REPO not in sys.path:
     sys.path.insert(0, REPO)  # run from a checkout
 
 import torch  # noqa: E402
 
-from hybridtitan.models.args import ModelArgs  # noqa: E402
+if TYPE_CHECKING:  # hybridtitan is imported where it is used: trainer_speed runs other checkouts' trainers
+    from hybridtitan.models.args import ModelArgs
+    from hybridtitan.ops import KernelConfig
+
+# H100 / H200 dense bf16 (datasheet), the yardstick beside the measured matmul rate
+DATASHEET_FLOPS = 989e12
 
 # ------------------------------------------------------------------------------------------------ measures
 
@@ -42,6 +50,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def rel_diff(a: float, b: float) -> float:
     """|a - b| / |b| for scalars, b the reference."""
     return abs(a - b) / abs(b) if b != 0 else (0.0 if a == b else float("inf"))
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
 def one_line(exc: BaseException, limit: int = 240) -> str:
@@ -112,7 +124,7 @@ def init_process_group_of_one(device: torch.device):
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
-            torch.cuda.set_device(device.index or 0) if device.type == "cuda" else None
+            torch.cuda.set_device(device.index or 0)
         store = tempfile.NamedTemporaryFile(prefix="hybridtitan-pg-", delete=False).name
         dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
     return build_mesh(DataParallel(1, 1), device.type)
@@ -148,6 +160,21 @@ class Timer:
         return False
 
 
+def matmul_rate(device: torch.device, n: int, warmup: int = 3, iters: int = 10) -> float:
+    """FLOP/s of an n x n x n bf16 torch.matmul, mean over ``iters`` after ``warmup`` (CUDA events on a GPU):
+    what the GPU's GEMMs reach here, the denominator of an MFU that the datasheet's peak overstates."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(warmup):
+        c = a @ b
+    with Timer(device) as t:
+        for _ in range(iters):
+            c = a @ b
+    del a, b, c
+    free_memory(device)
+    return 2 * n ** 3 * iters / t.seconds
+
+
 def destroy_process_group() -> None:
     import torch.distributed as dist
 
@@ -170,6 +197,30 @@ def write_json(path: str, obj) -> None:
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=2, default=str)
     os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+def build_with_kernels(args: ModelArgs, device, config: KernelConfig, state: dict | None = None,
+                       dtype: torch.dtype | None = None):
+    """A HybridLM whose modules run ``config``'s kernels, holding ``state`` (a state dict) when given, on
+    ``device`` in ``dtype``: the same weights under another kernel choice (the kernels are fixed at build time).
+    With ``config.fused_residual`` every sublayer's residual add goes into the next norm, as
+    hybridtitan.parallel does for a model without activation checkpointing."""
+    from hybridtitan import ops
+    from hybridtitan.models import build_model
+    from hybridtitan.ops.residual import fuse_residual_adds
+
+    model = build_model(args, "meta", ops.Kernels(config))
+    model.to_empty(device=device)
+    if state is None:
+        model.init_weights()
+    else:
+        model.load_state_dict(state)
+    if config.fused_residual:  # the same parameter names: loading before or after is the same
+        fuse_residual_adds(model.layers, fusable=lambda layer: True)
+    return model.to(dtype) if dtype is not None else model
 
 
 # ------------------------------------------------------------------------------------------------ FLA's HF twin

@@ -1,21 +1,24 @@
 """GPU parity: FLA's Triton path against the PyTorch reference kernels, op by op, end to end, replayed from CUDA
 graphs, and against FLA's own Hugging Face classes.
 
-    python scripts/gpu_check.py                          # on the GPU: every check, about 1-3 minutes warm
-    python scripts/gpu_check.py --only ops,fla --json $OUT/gpu_check.json
-    python scripts/gpu_check.py --device cpu --tiny      # dry run on a CPU: the same code paths, small shapes
+    python gpu_harness/gpu_check.py                       # on the GPU: every check, about 1-3 minutes warm
+    python gpu_harness/gpu_check.py --only ops,fla --json $OUT/gpu_check.json
+    python gpu_harness/gpu_check.py --device cpu --tiny   # dry run on a CPU: the same code paths, small shapes
 
-ops  every hybridtitan.ops function with bf16 inputs on the GPU (FLA kernels) against the same values upcast
-     to float32 under ops.use_reference_kernels() (the chunked PyTorch reference, on the same device); the
-     output and the gradient of every input, relative error ||a - b|| / ||b|| < 1e-2; dense batches and packed
-     documents (cu_seqlens, a batch of one). Shapes of the 300M models.
-e2e  each debug flavor, same weights and batch (also packed): the loss in float32 on the CPU (reference
-     kernels) against the model in bf16 on the GPU (FLA kernels): loss and gradient norm within 1e-2. The whole
-     gradient's relative error and the loss of the bf16 model with the reference kernels are shown to tell a
-     kernel difference from bf16 rounding.
-graphs  the recurrent mixers' ops and the debug GDN / KDA / Mamba2 models replayed from CUDA graphs
-     (ops.use_cuda_graphs) against the same calls run eagerly: the graphs captured on one input, then replayed
-     on another, must give that input's eager output and gradients (relative error < 1e-5). GPU only.
+ops  every op of ``hybridtitan.ops.Kernels`` with bf16 inputs on the GPU, under the kernel configuration the
+     case names (the default: FLA's and our Triton kernels; or with torch.compile of the norms, SwiGLU or the
+     loss chunks), against the same values upcast to float32 under ``KernelConfig(reference=True)`` (the
+     chunked PyTorch reference, on the same device); the output and the gradient of every input, relative
+     error ||a - b|| / ||b|| < 1e-2; dense batches and packed documents (cu_seqlens, a batch of one). Shapes of
+     the 300M models.
+e2e  each debug flavor, same weights and batch (also packed): the loss of a model built with the reference
+     kernels, in float32 on the CPU, against the same weights in a model built with the trainer's GPU kernels
+     (the fused residual adds included), in bf16 on the GPU: loss and gradient norm within 1e-2. The whole
+     gradient's relative error and the loss of the bf16 weights under the reference kernels are shown to tell
+     a kernel difference from bf16 rounding.
+graphs  the recurrent mixers' ops and the debug GDN / KDA / Mamba2 models under ``KernelConfig(cuda_graphs=True)``
+     against the same calls run eagerly: the graphs captured on one input, then replayed on another, must give
+     that input's eager output and gradients (relative error < 1e-5). GPU only.
 fla  pure GDN / KDA models against FLA's GatedDeltaNetForCausalLM / KDAForCausalLM holding the same weights:
      logits on the GPU within 1e-2, dense and packed, in float32 and in bf16. In bf16 two kernels that round
      in another order can differ by more while each is as far from the truth (KDA in our chunks of 32 against
@@ -25,15 +28,17 @@ fla  pure GDN / KDA models against FLA's GatedDeltaNetForCausalLM / KDAForCausal
      this script's own name mapping, which is used otherwise (and alone in float32: the exporter writes bf16
      weights).
 
-On a CPU (--device cpu) the "fast" side is the reference in bf16 (no FLA kernels run there), and FLA's HF
-models are built, loaded and compared weight by weight but not run. Every case prints PASS, FAIL (with the
-one-line error) or SKIP and the run goes on; the exit code is 1 if any case failed.
+On a CPU (--device cpu) the "fast" side is the reference in bf16 (no FLA kernels run there; torch.compile and
+the fused residual adds do), and FLA's HF models are built, loaded and compared weight by weight but not run.
+Every case prints PASS, FAIL (with the one-line error) or SKIP and the run goes on; the exit code is 1 if any
+case failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import importlib.util
 import math
 import os
@@ -45,12 +50,15 @@ import tempfile
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)  # common.py, beside this script
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from _gpu_common import (  # noqa: E402
+from common import (  # noqa: E402
     REPO,
+    build_with_kernels,
     fla_config,
     fla_model_class,
     fmt,
@@ -64,9 +72,9 @@ from _gpu_common import (  # noqa: E402
     write_json,
 )
 
-from hybridtitan import ops  # noqa: E402
-from hybridtitan.models import build_model, get_flavor  # noqa: E402
+from hybridtitan.models import get_flavor  # noqa: E402
 from hybridtitan.models.common import init_dt_bias, init_log_uniform_A  # noqa: E402
+from hybridtitan.ops import KernelConfig, Kernels  # noqa: E402
 
 TOL = 1e-2
 # fla, bf16: ours may be at most this much further from float32 than FLA's class when the two differ by more
@@ -74,6 +82,12 @@ TOL = 1e-2
 BF16_AS_CLOSE = 1.1
 BF16_AS_CLOSE_BOUND = 3  # ... and then they may differ by at most 3x the bar
 E2E_FLAVORS = ("debug_gdn", "debug_kda", "debug_mamba2", "debug_hybrid")
+
+# the yardstick of every comparison: the chunked PyTorch reference, whatever the device
+REFERENCE = KernelConfig(reference=True)
+# the trainer's kernels on a GPU with compile off (hybridtitan.train.kernel_config); the residual adds are fused
+# on a CPU too, so that the dry run takes the GPU's code path
+GPU_KERNELS = KernelConfig(fused_residual=True)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -165,32 +179,36 @@ def _dt_bias(gen, n, device):
     return _seeded_init(gen, init_dt_bias, n, device)
 
 
-def _with_setting(switch, fn, *args):
-    """fn(*args) with an ops switch (ops.compile_norms, ops.compile_swiglu, ops.use_cuda_graphs) on; the
-    autograd graph it records keeps the switched backward."""
-    previous = switch(True)
-    try:
-        return fn(*args)
-    finally:
-        switch(previous)
+class OpCase:
+    """One op case: ``make(gen)`` -> (tensors, kwargs); ``call(kernels, **tensors, **kwargs)`` -> the output, run
+    under ``config`` on the fast side and under the reference on the other, or ``ref_call(**tensors, **kwargs)``
+    there when given (an independent formula)."""
+
+    def __init__(self, op: str, case: str, make, call, ref_call=None, config: KernelConfig | None = None):
+        self.op, self.case, self.make, self.call, self.ref_call = op, case, make, call, ref_call
+        self.kernels = Kernels(config or KernelConfig())
 
 
-def op_cases(sh: Shapes, device: torch.device):
-    """(op, case, make_inputs(gen) -> (tensors dict, kwargs dict), call(**tensors, **kwargs) -> output,
-    ref_call or None (None: the same call under ops.use_reference_kernels()))."""
+# the recipes' torch.compile components, one kernel choice each (compile.components "norm", "swiglu", "loss")
+COMPILED_NORMS = KernelConfig(compiled_norms=True)
+COMPILED_SWIGLU = KernelConfig(compiled_swiglu=True)
+COMPILED_LOSS = KernelConfig(compiled_loss=True)
+EAGER_LOSS = KernelConfig(triton_loss=False)
+
+
+def op_cases(sh: Shapes, device: torch.device) -> list[OpCase]:
     bf16 = torch.bfloat16
     cu = torch.tensor(sh.cu, dtype=torch.int32, device=device)  # int32, as the data loader gives
     cu_rows = torch.tensor(sh.cu_rows, dtype=torch.int32, device=device)
     layouts = [("dense B=2", sh.B, None), (f"packed {len(sh.cu) - 1} docs", 1, cu)]
     cases = []
 
-    def add(op, case, make, call, ref_call=None):
-        cases.append((op, case, make, call, ref_call))
+    def add(op, case, make, call, ref_call=None, config=None):
+        cases.append(OpCase(op, case, make, call, ref_call, config))
 
     # --- Gated DeltaNet (gdn_300M: H=4 key heads, HV=8 value heads, K=V=64, one decay per value head) and KDA
     # (kda_300M: H=HV=8, K=32, V=64, one decay per key channel)
-    for op, fn, (H, HV, K, V), per_channel in (("gated_delta_rule", ops.gated_delta_rule, (4, 8, 64, 64), False),
-                                               ("kda", ops.kda, (8, 8, 32, 64), True)):
+    for op, (H, HV, K, V), per_channel in (("gated_delta_rule", (4, 8, 64, 64), False), ("kda", (8, 8, 32, 64), True)):
         for case, B, c in layouts:
             def make(gen, B=B, c=c, H=H, HV=HV, K=K, V=V, decay=(HV, K) if per_channel else (HV,)):
                 t = {"q": _randn(gen, B, sh.T, H, K, device=device), "k": _randn(gen, B, sh.T, H, K, device=device),
@@ -199,12 +217,12 @@ def op_cases(sh: Shapes, device: torch.device):
                      "dt_bias": _dt_bias(gen, math.prod(decay), device)}
                 return {k: v.to(bf16) for k, v in t.items()}, {"cu_seqlens": c}
             add(op, case, make,
-                lambda q, k, v, a, b, A_log, dt_bias, cu_seqlens, fn=fn: fn(
+                lambda kn, q, k, v, a, b, A_log, dt_bias, cu_seqlens, op=op: getattr(kn, op)(
                     q, k, v, a, b, A_log, dt_bias, cu_seqlens=cu_seqlens)[0])
 
     # --- simple GLA as Mamba2's SSD, scale 1, g = A * dt (float32): zebra_mamba2_300M's H=32, K=d_state=64,
-    # V=head_dim=64, and debug_mamba2's H=8, K=16, V=32 (packed: head dims whose backward FLA gets wrong unpadded,
-    # see fla_backend)
+    # V=head_dim=64, and debug_mamba2's H=8, K=16, V=32 (head dims FLA's backward gets wrong unpadded, see
+    # fla_backend)
     for op, (H, K, V) in (("simple_gla", (32, 64, 64)), ("simple_gla K=16 (debug_mamba2)", (8, 16, 32))):
         for case, B, c in layouts:
             def make(gen, B=B, c=c, H=H, K=K, V=V):
@@ -216,7 +234,7 @@ def op_cases(sh: Shapes, device: torch.device):
                      "g": (A * dt).float()}
                 return t, {"cu_seqlens": c}
             add(op, case, make,
-                lambda q, k, v, g, cu_seqlens: ops.simple_gla(q, k, v, g, scale=1.0, cu_seqlens=cu_seqlens)[0])
+                lambda kn, q, k, v, g, cu_seqlens: kn.simple_gla(q, k, v, g, scale=1.0, cu_seqlens=cu_seqlens)[0])
 
     # --- short convolution: GDN's value conv (512 channels, no bias) and Mamba2's (3072 channels, bias)
     for D, bias in ((512, False), (3072, True)):
@@ -227,11 +245,11 @@ def op_cases(sh: Shapes, device: torch.device):
                     t["bias"] = _randn(gen, D, device=device, scale=0.1)
                 return {k: v.to(bf16) for k, v in t.items()}, {"cu_seqlens": c}
             add(f"causal_conv1d D={D}{' +bias' if bias else ''}", case, make,
-                lambda x, weight, cu_seqlens, bias=None: ops.causal_conv1d(
+                lambda kn, x, weight, cu_seqlens, bias=None: kn.causal_conv1d(
                     x, weight, bias, "silu", cu_seqlens=cu_seqlens)[0])
 
-    # whole sequences in our kernels (ops.short_conv, the default on GPUs): GDN's q, k, v blocks (a strided
-    # column block of the projection, as the mixer passes it), and Mamba2's one block with a bias
+    # whole sequences in our kernels (KernelConfig.triton_conv, the default on GPUs): GDN's q, k, v blocks (a
+    # strided column block of the projection, as the mixer passes it), and Mamba2's one block with a bias
     for sizes, bias in (((256, 256, 512), False), ((3072,), True)):
         def make(gen, sizes=sizes, bias=bias):
             D = sum(sizes)
@@ -241,7 +259,7 @@ def op_cases(sh: Shapes, device: torch.device):
                 t["bias"] = _randn(gen, D, device=device, scale=0.1)
             return {k: v.to(bf16) for k, v in t.items()}, {}
         add(f"short_conv D={sum(sizes)}{' +bias' if bias else ''}", "dense B=2", make,
-            lambda x, weight, bias=None, sizes=sizes: torch.cat(ops.short_conv(
+            lambda kn, x, weight, bias=None, sizes=sizes: torch.cat(kn.short_conv(
                 x[..., :sum(sizes)], weight, bias, "silu", sizes)[0], dim=-1))
 
     # --- norms and SwiGLU (no sequence mixing: dense only)
@@ -250,45 +268,49 @@ def op_cases(sh: Shapes, device: torch.device):
              "weight": 1 + _randn(gen, V, device=device, scale=0.1)}
         return {k: v.to(bf16) for k, v in t.items()}, {}
     add("gated_rms_norm swish (GDN)", "dense B=2", make_gnorm,
-        lambda x, gate, weight: ops.gated_rms_norm(x, gate, weight, 1e-6, "swish"))
+        lambda kn, x, gate, weight: kn.gated_rms_norm(x, gate, weight, 1e-6, "swish"))
     add("gated_rms_norm sigmoid (KDA)", "dense B=2", make_gnorm,
-        lambda x, gate, weight: ops.gated_rms_norm(x, gate, weight, 1e-6, "sigmoid"))
+        lambda kn, x, gate, weight: kn.gated_rms_norm(x, gate, weight, 1e-6, "sigmoid"))
 
     def make_gnorm_m2(gen, D=2048):
         t = {"x": _randn(gen, sh.B, sh.T, D, device=device), "gate": _randn(gen, sh.B, sh.T, D, device=device),
              "weight": 1 + _randn(gen, D, device=device, scale=0.1)}
         return {k: v.to(bf16) for k, v in t.items()}, {}
     add("gated_rms_norm grouped (Mamba2)", "dense B=2", make_gnorm_m2,
-        lambda x, gate, weight: ops.gated_rms_norm(x, gate, weight, 1e-6, "swish", norm_before_gate=False,
-                                                   group_size=256))
+        lambda kn, x, gate, weight: kn.gated_rms_norm(x, gate, weight, 1e-6, "swish", norm_before_gate=False,
+                                                      group_size=256))
 
     def make_rms(gen, D=1024):
         t = {"x": _randn(gen, sh.B, sh.T, D, device=device), "weight": 1 + _randn(gen, D, device=device, scale=0.1)}
         return {k: v.to(bf16) for k, v in t.items()}, {}
-    add("rms_norm", "dense B=2", make_rms, lambda x, weight: ops.rms_norm(x, weight, 1e-6))
 
     def make_add_rms(gen, D=1024):
         t, _ = make_rms(gen, D)
         return {**t, "residual": _randn(gen, sh.B, sh.T, D, device=device).to(bf16)}, {}
-    # both outputs side by side, so that the backward gets the sum's own gradient too (the fused add's path)
-    add("add_rms_norm (residual add + norm)", "dense B=2", make_add_rms,
-        lambda x, residual, weight: torch.cat(ops.add_rms_norm(x, residual, weight, 1e-6), dim=-1))
-    # the same through torch.compile (compile.components = ["norm"], in the GPU recipes); the reference
-    # runs under use_reference_kernels(), which the switch does not reach
-    add("rms_norm compiled", "dense B=2", make_rms,
-        lambda x, weight: _with_setting(ops.compile_norms, ops.rms_norm, x, weight, 1e-6))
-    add("add_rms_norm compiled", "dense B=2", make_add_rms,
-        lambda x, residual, weight: torch.cat(
-            _with_setting(ops.compile_norms, ops.add_rms_norm, x, residual, weight, 1e-6), dim=-1))
+
+    def rms(kn, x, weight):
+        return kn.rms_norm(x, weight, 1e-6)
+
+    def add_rms(kn, x, residual, weight):
+        # both outputs side by side, so that the backward gets the sum's own gradient too (the fused add's path)
+        return torch.cat(kn.add_rms_norm(x, residual, weight, 1e-6), dim=-1)
+
+    add("rms_norm", "dense B=2", make_rms, rms)
+    add("add_rms_norm (residual add + norm)", "dense B=2", make_add_rms, add_rms)
+    # the same through torch.compile (compile.components = ["norm"], in the GPU recipes)
+    add("rms_norm compiled", "dense B=2", make_rms, rms, config=COMPILED_NORMS)
+    add("add_rms_norm compiled", "dense B=2", make_add_rms, add_rms, config=COMPILED_NORMS)
 
     def make_swiglu_linear(gen, D=4096, dim=1024):
         t = {"gate": _randn(gen, sh.B, sh.T, D, device=device), "up": _randn(gen, sh.B, sh.T, D, device=device),
              "weight": _randn(gen, dim, D, device=device, scale=D ** -0.5)}
         return {k: v.to(bf16) for k, v in t.items()}, {}
-    add("swiglu_linear (MLP)", "dense B=2", make_swiglu_linear,
-        lambda gate, up, weight: ops.swiglu_linear(gate, up, weight))
-    add("swiglu_linear compiled", "dense B=2", make_swiglu_linear,
-        lambda gate, up, weight: _with_setting(ops.compile_swiglu, ops.swiglu_linear, gate, up, weight))
+
+    def swiglu(kn, gate, up, weight):
+        return kn.swiglu_linear(gate, up, weight)
+
+    add("swiglu_linear (MLP)", "dense B=2", make_swiglu_linear, swiglu)
+    add("swiglu_linear compiled", "dense B=2", make_swiglu_linear, swiglu, config=COMPILED_SWIGLU)
 
     # --- MLA attention: 16 heads, qk 64 (32 nope + 32 rope), v 64
     attn_layouts = layouts + [(f"packed rows=2 {len(sh.cu_rows) - 1} docs", 1, cu_rows)]
@@ -300,7 +322,7 @@ def op_cases(sh: Shapes, device: torch.device):
                  "v": _randn(gen, B, sh.T, 16, 64, device=device)}
             return {k: v.to(bf16) for k, v in t.items()}, {"cu_seqlens": c, "rows": rows}
         add("attention (MLA)", case, make,
-            lambda q, k, v, cu_seqlens, rows: ops.attention(q, k, v, 64 ** -0.5, cu_seqlens=cu_seqlens, rows=rows))
+            lambda kn, q, k, v, cu_seqlens, rows: kn.attention(q, k, v, 64 ** -0.5, cu_seqlens=cu_seqlens, rows=rows))
 
     # --- chunked fused linear cross-entropy against F.cross_entropy in fp32
     def make_ce(gen, D=1024):
@@ -311,21 +333,17 @@ def op_cases(sh: Shapes, device: torch.device):
              "weight": _randn(gen, V, D, device=device, scale=0.05).to(bf16)}
         return t, {"targets": targets.to(device)}
 
+    def ce(kn, hidden, weight, targets):
+        return kn.linear_cross_entropy(hidden, weight, targets, chunk_size=sh.ce_chunk)[0]
+
     def ce_ref(hidden, weight, targets):
         return F.cross_entropy(hidden.float() @ weight.float().t(), targets, ignore_index=-100, reduction="sum")
+
+    ce_case = f"{sh.ce_tokens} tok, V={sh.vocab}, 5% ignored"
     # the op as the models call it: on GPUs our Triton kernel does each chunk's softmax
-    add("linear_cross_entropy", f"{sh.ce_tokens} tok, V={sh.vocab}, 5% ignored", make_ce,
-        lambda hidden, weight, targets: ops.linear_cross_entropy(hidden, weight, targets,
-                                                                 chunk_size=sh.ce_chunk)[0],
-        ce_ref)
-    add("linear_cross_entropy compiled", f"{sh.ce_tokens} tok, V={sh.vocab}, 5% ignored", make_ce,
-        lambda hidden, weight, targets: ops.linear_cross_entropy(hidden, weight, targets, chunk_size=sh.ce_chunk,
-                                                                 compiled=True)[0],  # compile.components ["loss"]
-        ce_ref)
-    add("linear_cross_entropy eager", f"{sh.ce_tokens} tok, V={sh.vocab}, 5% ignored", make_ce,
-        lambda hidden, weight, targets: ops.linear_cross_entropy(hidden, weight, targets, chunk_size=sh.ce_chunk,
-                                                                 compiled=False)[0],
-        ce_ref)
+    add("linear_cross_entropy", ce_case, make_ce, ce, ce_ref)
+    add("linear_cross_entropy compiled", ce_case, make_ce, ce, ce_ref, config=COMPILED_LOSS)  # components ["loss"]
+    add("linear_cross_entropy eager", ce_case, make_ce, ce, ce_ref, config=EAGER_LOSS)
     return cases
 
 
@@ -334,26 +352,30 @@ def _leaf(t: torch.Tensor, dtype=None) -> torch.Tensor:
     return t.requires_grad_(t.is_floating_point())
 
 
-def run_op_case(res: Results, op, case, make, call, ref_call, device, seed, tol) -> None:
+def _backend(c: OpCase, x: torch.Tensor, kwargs: dict) -> str:
+    """Which implementation ran the fast side, for the report."""
+    backend = c.kernels.backend_for(x)
+    if c.op.startswith("linear_cross_entropy"):  # chunked PyTorch, each chunk's softmax in our kernel on GPUs
+        triton = c.kernels.config.triton_loss and not c.kernels.config.compiled_loss and backend == "fla"
+        return "triton (chunked)" if triton else "torch (chunked)"
+    if c.op.startswith("attention") and kwargs.get("cu_seqlens") is None and backend == "fla":
+        return "sdpa"  # fla_backend.attention without documents
+    return backend
+
+
+def run_op_case(res: Results, c: OpCase, device, seed, tol) -> None:
     gen = torch.Generator().manual_seed(seed)
-    tensors, kwargs = make(gen)
+    tensors, kwargs = c.make(gen)
     fast = {k: _leaf(v) for k, v in tensors.items()}
     ref = {k: _leaf(v, torch.float32) for k, v in tensors.items()}
     t0 = time.perf_counter()
-    out = call(**fast, **kwargs)
-    with ops.use_reference_kernels():
-        out_ref = (ref_call or call)(**ref, **kwargs)
+    out = c.call(c.kernels, **fast, **kwargs)
+    out_ref = c.ref_call(**ref, **kwargs) if c.ref_call else c.call(Kernels(REFERENCE), **ref, **kwargs)
     grad_out = torch.randn(out_ref.shape, generator=gen).to(device)
     (out.float() * grad_out).sum().backward()
-    with ops.use_reference_kernels():
-        (out_ref.float() * grad_out).sum().backward()
+    (out_ref.float() * grad_out).sum().backward()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    backend = ops.backend_for(next(iter(fast.values())))
-    if op.startswith("linear_cross_entropy"):  # chunked PyTorch, each chunk's softmax in our kernel on GPUs
-        backend = "triton (chunked)" if op == "linear_cross_entropy" and backend == "fla" else "torch (chunked)"
-    elif op.startswith("attention") and kwargs.get("cu_seqlens") is None and backend == "fla":
-        backend = "sdpa"  # fla_backend.attention without documents
     out_err = rel_err(out, out_ref)
     grad_errs = {}
     for name in fast:
@@ -366,7 +388,7 @@ def run_op_case(res: Results, op, case, make, call, ref_call, device, seed, tol)
     worst = max(grad_errs, key=grad_errs.get) if grad_errs else None
     finite = torch.isfinite(out.float()).all().item() and all(math.isfinite(v) for v in grad_errs.values())
     ok = finite and out_err < tol and all(v < tol for v in grad_errs.values())
-    res.add({"section": "ops", "name": op, "case": case, "backend": backend,
+    res.add({"section": "ops", "name": c.op, "case": c.case, "backend": _backend(c, next(iter(fast.values())), kwargs),
              "status": "PASS" if ok else "FAIL", "out_err": out_err,
              "worst_grad": worst, "worst_grad_err": grad_errs.get(worst) if worst else None,
              "grad_errs": grad_errs, "seconds": time.perf_counter() - t0,
@@ -378,11 +400,11 @@ def check_ops(res: Results, args, device) -> None:
     print(f"\n== ops: {device} bf16 ({'FLA' if device.type == 'cuda' else 'reference'} kernels) vs float32 "
           "reference kernels", flush=True)
     sh = Shapes(args.tiny)
-    for n, (op, case, make, call, ref_call) in enumerate(op_cases(sh, device)):
+    for n, c in enumerate(op_cases(sh, device)):
         try:
-            run_op_case(res, op, case, make, call, ref_call, device, args.seed + n, args.tol)
+            run_op_case(res, c, device, args.seed + n, args.tol)
         except Exception as e:  # noqa: BLE001 - report and go on
-            res.fail("ops", op, case, e)
+            res.fail("ops", c.op, c.case, e)
         finally:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -407,13 +429,12 @@ def _grads(model) -> dict:
 
 
 def check_e2e(res: Results, args, device) -> None:
-    print(f"\n== e2e: float32 on the CPU (reference kernels) vs bf16 on {device}", flush=True)
+    print(f"\n== e2e: float32 on the CPU (reference kernels) vs bf16 on {device} (the trainer's kernels)", flush=True)
     for flavor in [f for f in args.e2e_flavors.split(",") if f]:
         try:
             margs = get_flavor(flavor)
             torch.manual_seed(args.seed)
-            model = build_model(margs, "cpu")
-            model.init_weights()
+            model = build_with_kernels(margs, "cpu", REFERENCE)
             model.train()
             ids, labels, cu = e2e_batch(margs.vocab_size, args.tiny, args.seed + 1)
         except Exception as e:  # noqa: BLE001
@@ -423,20 +444,22 @@ def check_e2e(res: Results, args, device) -> None:
             try:
                 t0 = time.perf_counter()
                 model.zero_grad(set_to_none=True)
-                with ops.use_reference_kernels():
-                    loss_ref = model(ids, labels=labels, cu_seqlens=cu_seqlens)
-                    loss_ref.backward()
+                loss_ref = model(ids, labels=labels, cu_seqlens=cu_seqlens)
+                loss_ref.backward()
                 g_ref = _grads(model)
                 model.zero_grad(set_to_none=True)
 
-                fast = copy.deepcopy(model).to(device, torch.bfloat16)
+                fast = build_with_kernels(margs, device, GPU_KERNELS, model.state_dict(), torch.bfloat16).train()
                 dev_cu = cu_seqlens.to(device) if cu_seqlens is not None else None
                 loss = fast(ids.to(device), labels=labels.to(device), cu_seqlens=dev_cu)
                 loss.backward()
                 g = _grads(fast)
-                with torch.no_grad(), ops.use_reference_kernels():  # bf16 model, reference kernels: rounding only
-                    loss_bf16_ref = fast(ids.to(device), labels=labels.to(device), cu_seqlens=dev_cu).item()
+                # the same bf16 weights under the reference kernels: what bf16 rounding alone does
+                rounded = build_with_kernels(margs, device, REFERENCE, fast.state_dict(), torch.bfloat16).train()
                 del fast
+                with torch.no_grad():
+                    loss_bf16_ref = rounded(ids.to(device), labels=labels.to(device), cu_seqlens=dev_cu).item()
+                del rounded
                 gn_ref = math.sqrt(sum(v.pow(2).sum().item() for v in g_ref.values()))
                 gn = math.sqrt(sum(v.pow(2).sum().item() for v in g.values()))
                 gdiff = math.sqrt(sum((g[n] - g_ref[n]).pow(2).sum().item() for n in g_ref))
@@ -461,11 +484,13 @@ def check_e2e(res: Results, args, device) -> None:
 # ================================================================================================ CUDA graphs
 
 GRAPH_TOL = 1e-5
+GRAPHS = dataclasses.replace(GPU_KERNELS, cuda_graphs=True)
+# (kernels, site, **inputs) -> output: a site stands for the calling layer, whose graphs live as long as it does
 GRAPHED_OPS = {
-    "gated_delta_rule": lambda site, q, k, v, a, b, A_log, dt_bias: ops.gated_delta_rule(
+    "gated_delta_rule": lambda kn, site, q, k, v, a, b, A_log, dt_bias: kn.gated_delta_rule(
         q, k, v, a, b, A_log, dt_bias, site=site)[0],
-    "kda": lambda site, q, k, v, a, b, A_log, dt_bias: ops.kda(q, k, v, a, b, A_log, dt_bias, site=site)[0],
-    "simple_gla": lambda site, q, k, v, g: ops.simple_gla(q, k, v, g, scale=1.0, site=site)[0],
+    "kda": lambda kn, site, q, k, v, a, b, A_log, dt_bias: kn.kda(q, k, v, a, b, A_log, dt_bias, site=site)[0],
+    "simple_gla": lambda kn, site, q, k, v, g: kn.simple_gla(q, k, v, g, scale=1.0, site=site)[0],
 }
 
 
@@ -492,17 +517,17 @@ def check_graphs(res: Results, args, device) -> None:
         res.add({"section": "graphs", "name": "(all)", "case": "-", "status": "SKIP", "error": "needs a GPU"})
         return
     sh = Shapes(args.tiny)
-    makes = {op: make for op, case, make, _, _ in op_cases(sh, device)
-             if op in GRAPHED_OPS and case.startswith("dense")}
+    makes = {c.op: c.make for c in op_cases(sh, device) if c.op in GRAPHED_OPS and c.case.startswith("dense")}
+    graphs, eager_kernels = Kernels(GRAPHS), Kernels(GPU_KERNELS)
     for n, (op, make) in enumerate(makes.items()):
         try:
             t0 = time.perf_counter()
             first, second = (make(torch.Generator().manual_seed(args.seed + n + i))[0] for i in (0, 1))
-            site = torch.nn.Module()  # stands for a layer: the graphs live as long as it does
+            site = torch.nn.Module()
             fn = GRAPHED_OPS[op]
-            _with_setting(ops.use_cuda_graphs, _output_and_grads, lambda **t: fn(site, **t), first, 1)  # captures
-            graphed = _with_setting(ops.use_cuda_graphs, _output_and_grads, lambda **t: fn(site, **t), second, 2)
-            eager = _output_and_grads(lambda **t: fn(None, **t), second, 2)
+            _output_and_grads(lambda **t: fn(graphs, site, **t), first, 1)  # captures
+            graphed = _output_and_grads(lambda **t: fn(graphs, site, **t), second, 2)
+            eager = _output_and_grads(lambda **t: fn(eager_kernels, None, **t), second, 2)
             pairs = {"out": (graphed[0], eager[0]), **{f"d{k}": (graphed[1][k], eager[1][k]) for k in eager[1]}}
             res.add(_graph_row(op, "captured on one input, replayed on another", pairs, t0))
         except Exception as e:  # noqa: BLE001
@@ -512,13 +537,12 @@ def check_graphs(res: Results, args, device) -> None:
             t0 = time.perf_counter()
             margs = get_flavor(flavor)
             torch.manual_seed(args.seed)
-            model = build_model(margs, device).to(torch.bfloat16)
-            model.init_weights()
-            model.train()
+            eager = build_with_kernels(margs, device, GPU_KERNELS, dtype=torch.bfloat16).train()
+            graphed = build_with_kernels(margs, device, GRAPHS, eager.state_dict(), torch.bfloat16).train()
             batches = [e2e_batch(margs.vocab_size, args.tiny, args.seed + i)[:2] for i in (1, 2)]
             batches = [(ids.to(device), labels.to(device)) for ids, labels in batches]
 
-            def loss_and_grads(model=model, batches=batches):
+            def loss_and_grads(model, batches=batches):
                 for ids, labels in batches:  # the last batch's; with graphs, captured on the first
                     model.zero_grad(set_to_none=True)
                     loss = model(ids, labels=labels)
@@ -526,11 +550,11 @@ def check_graphs(res: Results, args, device) -> None:
                 return loss.detach().float(), {n: p.grad.clone() for n, p in model.named_parameters()
                                                 if p.grad is not None}
 
-            loss_g, grads_g = _with_setting(ops.use_cuda_graphs, loss_and_grads)
-            loss_e, grads_e = loss_and_grads()
+            loss_g, grads_g = loss_and_grads(graphed)
+            loss_e, grads_e = loss_and_grads(eager)
             pairs = {"loss": (loss_g, loss_e), **{n: (grads_g[n], grads_e[n]) for n in grads_e}}
             res.add(_graph_row(flavor, "model, two batches, eager vs graphed", pairs, t0))
-            del model
+            del eager, graphed
         except Exception as e:  # noqa: BLE001
             res.fail("graphs", flavor, "model", e)
         finally:
@@ -610,9 +634,7 @@ def check_fla(res: Results, args, device) -> None:
         try:
             margs = model_args_for(spec)
             torch.manual_seed(args.seed)
-            ours = build_model(margs, "cpu")
-            ours.init_weights()
-            ours.eval()
+            ours = build_with_kernels(margs, "cpu", REFERENCE).eval()
             with torch.device("cpu"):
                 theirs = fla_model_class(margs)(fla_config(margs))
             load_into_fla(theirs, ours.state_dict(), margs)
@@ -655,8 +677,8 @@ def check_fla(res: Results, args, device) -> None:
         packed = ids.reshape(1, -1)
         for case, inp, c in (("dense B=2", ids, None), ("packed B=1 (cu_seqlens)", packed, cu)):
             try:
-                with torch.no_grad(), ops.use_reference_kernels():
-                    ref = ours(inp, cu_seqlens=c)  # float32 on the CPU: the yardstick for both
+                with torch.no_grad():
+                    ref = ours(inp, cu_seqlens=c)  # float32 on the CPU, reference kernels: the yardstick for both
                 if device.type != "cuda":
                     for label, _ in candidates:
                         res.add({"section": "fla", "name": spec, "case": f"{case} logits [{label}]", "status": "SKIP",
@@ -664,7 +686,7 @@ def check_fla(res: Results, args, device) -> None:
                     continue
                 for dtype in (torch.bfloat16, torch.float32):
                     dname = str(dtype).removeprefix("torch.")
-                    ours_gpu = copy.deepcopy(ours).to(device, dtype)
+                    ours_gpu = build_with_kernels(margs, device, GPU_KERNELS, ours.state_dict(), dtype).eval()
                     dev_inp, dev_cu = inp.to(device), (c.to(device) if c is not None else None)
                     with torch.no_grad():
                         lo = ours_gpu(dev_inp, cu_seqlens=dev_cu).float()
@@ -672,7 +694,7 @@ def check_fla(res: Results, args, device) -> None:
                     # the exporter writes bf16 weights: in float32 only the mapping holds the same weights as ours
                     # (the exporter's tensors were checked against the mapping's above)
                     for label, hf in candidates if dtype == torch.bfloat16 else candidates[:1]:
-                        hf_gpu = copy.deepcopy(hf).to(device, dtype)
+                        hf_gpu = copy.deepcopy(hf).to(device, dtype)  # FLA's class: its kernels are its own
                         kw = {"cu_seqlens": dev_cu} if dev_cu is not None else {}
                         with torch.no_grad():
                             lf = hf_gpu(input_ids=dev_inp, **kw).logits.float()

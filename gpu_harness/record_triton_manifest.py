@@ -1,16 +1,17 @@
 """Record the Triton kernels of real training steps on a GPU into the manifest the ROCm compile check reads.
 
-    python scripts/record_triton_manifest.py                       # every debug and 300M flavor, packed and not
-    python scripts/record_triton_manifest.py --flavors debug_gdn --boundaries false --out /tmp/k.json
+    python gpu_harness/record_triton_manifest.py                   # every debug and 300M flavor, packed and not
+    python gpu_harness/record_triton_manifest.py --flavors debug_gdn --boundaries false --out /tmp/k.json
 
-Each (flavor, packed documents or not) is one step of ``hybridtitan.train`` (the shipped corpus and tokenizer,
-sequence 2048, batch 1, torch.compile off so that every Triton kernel is FLA's and goes through the recorder) in a
-fresh process under ``hybridtitan.tools.triton_recorder.record_triton_kernels``: a kernel compiled earlier in
-a process is never compiled again, so it would not be seen. Up to ``--jobs`` recordings run at once (the first
-step autotunes, which is mostly compilation on the CPU). The records are merged (deduplicated by id) into
-``--out``, on top of what it already holds, with the device, the versions and what was recorded, rewritten
-after each recording (a run cut short keeps what it recorded). Exit 1 if a recording failed or saw a compile it
-could not record; exit 2 on a machine without a GPU (nothing would be recorded).
+Each (flavor, packed documents or not) is one step of the trainer (``hybridtitan.train.main``: the shipped corpus
+and tokenizer, sequence 2048, batch 1, torch.compile off so that every Triton kernel is FLA's or ours and goes
+through the recorder) in a fresh process under ``triton_recorder.record_triton_kernels`` (beside this script): a
+kernel compiled earlier in a process is never compiled again, so it would not be seen. Up to ``--jobs``
+recordings run at once (the first step autotunes, which is mostly compilation on the CPU). The records are
+merged (deduplicated by id) into ``--out``, on top of what it already holds, with the device, the versions and
+what was recorded, rewritten after each recording (a run cut short keeps what it recorded). Exit 1 if a
+recording failed or saw a compile it could not record; exit 2 on a machine without a GPU (nothing would be
+recorded).
 """
 
 from __future__ import annotations
@@ -21,8 +22,14 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+HARNESS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HARNESS)
+for _path in (REPO, HARNESS):  # run from a checkout: the trainer, and the recorder beside this script
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+from triton_recorder import load_manifest, record_triton_kernels, save_manifest  # noqa: E402
+
 DEFAULT_FLAVORS = ("debug_gdn,debug_kda,debug_mamba2,debug_hybrid,"
                    "gdn_300M,kda_300M,zebra_gdn_300M,zebra_mamba2_300M")
 # the fields a merge writes itself (save_manifest's and this script's); the others of an existing --out are kept
@@ -32,7 +39,6 @@ MANIFEST_OWN_FIELDS = ("format", "triton", "fla", "fla_core", "torch", "device",
 
 def record_one(flavor: str, boundaries: str, out: str, workdir: str) -> int:
     """In this (fresh) process: one training step of ``flavor`` under the recorder; the records go to ``out``."""
-    from hybridtitan.tools.triton_recorder import record_triton_kernels, save_manifest
     from hybridtitan.train import main
 
     with record_triton_kernels() as rec:
@@ -52,8 +58,6 @@ def merge(out: str, workdir: str, done: dict, base: dict | None = None) -> tuple
     what it recorded), on top of ``base`` (what ``out`` held when the run started: its records, its list of
     recordings and its other fields stay; a record recorded again replaces its old copy). Returns (manifest or
     None, failed recordings, skipped compiles)."""
-    from hybridtitan.tools.triton_recorder import load_manifest, save_manifest
-
     parts, recorded, skipped = [], list(base["recorded"]) if base else [], []
     for flavor, b in done:
         path = os.path.join(workdir, f"{flavor}_{b}.json")
@@ -70,7 +74,7 @@ def merge(out: str, workdir: str, done: dict, base: dict | None = None) -> tuple
     # the new records first: of two with one id, save_manifest keeps the first
     manifest = save_manifest(
         out, records + (base["kernels"] if base else []), device=parts[0]["device"], **kept,
-        source="recorded by scripts/record_triton_manifest.py: one training step per flavor (sequence 2048, "
+        source="recorded by gpu_harness/record_triton_manifest.py: one training step per flavor (sequence 2048, "
                "batch 1, torch.compile off), each in a fresh process under record_triton_kernels()",
         recorded=sorted(set(recorded)), **({"failed": failed} if failed else {}),
         **({"skipped": skipped} if skipped else {}))
@@ -98,8 +102,6 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     os.makedirs(args.workdir, exist_ok=True)
-    from hybridtitan.tools.triton_recorder import load_manifest
-
     base = load_manifest(args.out) if os.path.exists(args.out) else None  # merged into, not overwritten
     todo = [(f, b) for f in args.flavors.split(",") if f for b in args.boundaries.split(",") if b]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}

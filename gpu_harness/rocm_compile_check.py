@@ -1,13 +1,14 @@
 """Compile every Triton kernel of a training step for AMD MI300X (gfx942) and MI355X (gfx950), on a CPU machine.
 
-    python scripts/rocm_compile_check.py                                   # the manifest, gfx942 + gfx950 + sm_90
-    python scripts/rocm_compile_check.py --amd-configs --jobs 8            # also FLA's AMD autotune configs
-    python scripts/rocm_compile_check.py --targets gfx942 --kernels 'kda' --json out.json
+    python gpu_harness/rocm_compile_check.py                         # the manifest, gfx942 + gfx950 + sm_90
+    python gpu_harness/rocm_compile_check.py --amd-configs --jobs 8  # also FLA's AMD autotune configs
+    python gpu_harness/rocm_compile_check.py --targets gfx942 --kernels 'kda' --json out.json
 
-Reads the kernel manifest (tests/assets/triton_kernels.json, written by hybridtitan.tools.triton_recorder on a
-GPU), imports each kernel's ``@triton.jit`` function again and runs ``triton.compile(ASTSource(fn, signature,
-constexprs, attrs), target=GPUTarget(...))`` for every target: Triton compiles ahead of time for a GPU it does not
-run on. sm_90 is the control (the GPU the manifest was recorded on). A compile is ``ok`` when it yields the
+Reads the kernel manifest (tests/assets/triton_kernels.json, written by gpu_harness/record_triton_manifest.py
+through triton_recorder.py on a GPU), imports each kernel's ``@triton.jit`` function again and runs
+``triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget(...))`` for every target:
+Triton compiles ahead of time for a GPU it does not run on. sm_90 is the control (the GPU the manifest was
+recorded on). A compile is ``ok`` when it yields the
 target's binary (AMD: ``amdgcn`` + ``hsaco``; NVIDIA: ``ptx`` + ``cubin``, ptxas ships in Triton's wheel) and the
 kernel would pass Triton's load-time checks on that GPU (shared memory / LDS per block, threads per block);
 ``oor`` when it compiles but would be refused at load for resources (a failure, except for an autotune config:
@@ -32,10 +33,13 @@ import tempfile
 import time
 import traceback
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)  # run from a checkout
+HARNESS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HARNESS)
+for _path in (REPO, HARNESS):  # run from a checkout: the kernels' modules and the recorder beside this script
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
-from hybridtitan.tools.triton_recorder import load_manifest, target_info  # noqa: E402
+from triton_recorder import load_manifest, target_info  # noqa: E402
 
 DEFAULT_MANIFEST = os.path.join(REPO, "tests", "assets", "triton_kernels.json")
 DEFAULT_TARGETS = "gfx942,gfx950,sm_90"
@@ -50,13 +54,13 @@ def _init_worker(target_name: str, cache_dir: str) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    sys.path.insert(0, REPO)
+    sys.path[:0] = [REPO, HARNESS]
     from triton import knobs
 
     knobs.cache.dir = cache_dir
     info = target_info(target_name)
     if info["target"].backend == "hip":
-        from hybridtitan.tools.triton_recorder import emulate_target_process
+        from triton_recorder import emulate_target_process
 
         # FLA then sees this AMD GPU when it is imported (IS_AMD, its LDS size, its CU count).
         emulate_target_process(target_name)
@@ -77,7 +81,7 @@ def _amd_variants(record: dict) -> list[dict]:
     """The configs FLA's autotuner for this kernel holds in this worker (i.e. on this target), as overrides of
     the recorded constexprs and options. Inner @triton.heuristics whose values depend on a tuned parameter are
     evaluated again; the autotuner's early_config_prune (none of the kernels we use has one) is not applied."""
-    from hybridtitan.tools.triton_recorder import encode_value, find_autotuner, kernel_wrappers, resolve_kernel
+    from triton_recorder import encode_value, find_autotuner, kernel_wrappers, resolve_kernel
 
     fn = resolve_kernel(record["module"], record["name"])
     wrappers = kernel_wrappers(fn)
@@ -119,7 +123,7 @@ def _plan(args: tuple) -> tuple[int, list[dict] | str]:
 def _compile(task: dict) -> dict:
     import triton
 
-    from hybridtitan.tools.triton_recorder import compile_args, decode_value, str_to_path
+    from triton_recorder import compile_args, decode_value, str_to_path
 
     info = _STATE["info"]
     target = info["target"]

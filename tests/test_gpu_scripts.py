@@ -1,6 +1,6 @@
-"""The GPU scripts' CPU dry runs: the same code paths as on the H200 (model building, FSDP wrapping, the parity
-comparisons, the benchmark's variants and tables), with debug flavors and small shapes, so that the scripts do
-not rot between GPU sessions."""
+"""The GPU harness's CPU dry runs (gpu_harness/): the same code paths as on a GPU (model building under each kernel
+configuration, FSDP wrapping, the parity comparisons, the benchmark's variants and tables, the trainer's speed
+read from its metrics), with debug flavors and small shapes, so that the scripts keep working between GPU runs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
+HARNESS = REPO / "gpu_harness"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
 
 
@@ -20,9 +23,18 @@ def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+def _import(name: str):
+    """A harness module, imported as its scripts import each other (their folder on sys.path)."""
+    sys.path.insert(0, str(HARNESS))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(HARNESS))
+
+
 def test_gpu_check_dry_run(tmp_path):
     out = tmp_path / "gpu_check.json"
-    proc = _run(["scripts/gpu_check.py", "--device", "cpu", "--tiny", "--json", str(out)])
+    proc = _run(["gpu_harness/gpu_check.py", "--device", "cpu", "--tiny", "--json", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     by_status = {r["status"] for r in results}
@@ -41,22 +53,23 @@ def test_gpu_check_dry_run(tmp_path):
 
 def test_bench_dry_run_variants(tmp_path):
     out = tmp_path / "bench.json"
-    proc = _run(["scripts/bench_throughput.py", "--device", "cpu", "--tiny", "--models", "gdn_300M",
-                 "--impls", "hybridtitan,hybridtitan-r3,hybridtitan-fla-norm,hybridtitan-compiled-loss",
+    proc = _run(["gpu_harness/bench_throughput.py", "--device", "cpu", "--tiny", "--models", "gdn_300M",
+                 "--impls", "hybridtitan,hybridtitan-unfused-residual,hybridtitan-fla-norm,hybridtitan-compiled-loss",
                  "--extra", "gdn_300M:hybridtitan-eager", "--loss-chunk", "100",
                  "--json", str(out),
                  "--markdown", str(tmp_path / "bench.md")])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = {r["impl"]: r for r in result["results"]}
-    assert set(rows) == {"hybridtitan", "hybridtitan-r3", "hybridtitan-fla-norm", "hybridtitan-compiled-loss",
-                         "hybridtitan-eager"}
+    assert set(rows) == {"hybridtitan", "hybridtitan-unfused-residual", "hybridtitan-fla-norm",
+                         "hybridtitan-compiled-loss", "hybridtitan-eager"}
     assert all(r["status"] == "OK" and r["tokens_per_s"] > 0 for r in rows.values())
     assert all(r["loss_chunk"] == 100 for r in rows.values())  # the output layer in chunks of 100 tokens
-    # every case starts from the same weights: compiled norms, the previous version (separate residual adds) and
-    # the eager model give the same loss
+    # every case starts from the same weights: compiled norms, separate residual adds and the eager model give the
+    # same loss
     first = rows["hybridtitan"]["loss_first"]
-    for impl in ("hybridtitan-r3", "hybridtitan-fla-norm", "hybridtitan-compiled-loss", "hybridtitan-eager"):
+    for impl in ("hybridtitan-unfused-residual", "hybridtitan-fla-norm", "hybridtitan-compiled-loss",
+                 "hybridtitan-eager"):
         assert abs(rows[impl]["loss_first"] - first) < 1e-5 * first, rows[impl]
     ce = {r["impl"]: r for r in result["cross_entropy"]}
     # the candidates, our kernel and the eager op give the loss and gradients of the compiled chunks (the first row)
@@ -75,47 +88,20 @@ def test_bench_dry_run_variants(tmp_path):
 
 
 def test_bench_refuses_unknown_variant():
-    proc = _run(["scripts/bench_throughput.py", "--device", "cpu", "--tiny", "--extra", "gdn_300M:hybridtitan-fast"])
+    proc = _run(["gpu_harness/bench_throughput.py", "--device", "cpu", "--tiny", "--extra",
+                 "gdn_300M:hybridtitan-fast"])
     assert proc.returncode == 2
     assert "unknown" in proc.stderr and "hybridtitan-fast" in proc.stderr
-    proc = _run(["scripts/bench_throughput.py", "--device", "cpu", "--tiny", "--loss-chunk", "0"])
+    proc = _run(["gpu_harness/bench_throughput.py", "--device", "cpu", "--tiny", "--loss-chunk", "0"])
     assert proc.returncode == 2 and "--loss-chunk must be at least 1, got 0" in proc.stderr
-
-
-def test_mamba2_packed_probe_dry_run():
-    """The probe's cases run (on the reference kernels here) and pass: finite gradients close to float32 (a case
-    whose gradients are not exits 1 and is reported FAIL). Unknown case names are refused."""
-    cases = "simple_gla packed K=16 V=32;Mamba2 layer packed;model packed, anomaly detection"
-    env = {**ENV, "PROBE_DEVICE": "cpu", "PROBE_CASES": cases}
-    proc = subprocess.run([sys.executable, "scripts/probe_mamba2_packed.py"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("\nOK") + proc.stdout.startswith("OK") == 3, proc.stdout
-    assert "grads finite [True, True, True, True]" in proc.stdout
-    assert "backward ran without NaN" in proc.stdout
-    bad = subprocess.run([sys.executable, "scripts/probe_mamba2_packed.py"], cwd=REPO, capture_output=True,
-                         text=True, env={**env, "PROBE_CASES": "no such case"}, timeout=120)
-    assert bad.returncode == 2 and "unknown cases" in bad.stderr
-    strict = subprocess.run([sys.executable, "scripts/probe_mamba2_packed.py"], cwd=REPO, capture_output=True,
-                            text=True, env={**env, "PROBE_CASES": "simple_gla packed K=16 V=32", "PROBE_TOL": "1e-9"},
-                            timeout=120)
-    assert strict.returncode == 1 and strict.stdout.startswith("FAIL"), strict.stdout  # bf16 is not that close
-    for argv, code, stream, text in ((["--help"], 0, "stdout", "PROBE_CASES"),
-                                     (["no such case"], 2, "stderr", "unknown case")):
-        proc = subprocess.run([sys.executable, "scripts/probe_mamba2_packed.py", *argv], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == code and text in getattr(proc, stream), proc.stdout + proc.stderr
 
 
 def test_manifest_recorder_merges_into_the_existing_manifest(tmp_path):
     """A run that records some flavors adds them to --out instead of overwriting it: earlier records, the list
     of recordings and other fields stay; a record seen again replaces its old copy."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        from record_triton_manifest import merge
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
-    from hybridtitan.tools.triton_recorder import load_manifest, save_manifest
+    merge = _import("record_triton_manifest").merge
+    recorder = _import("triton_recorder")
+    load_manifest, save_manifest = recorder.load_manifest, recorder.save_manifest
 
     def record(i, **extra):
         return {"id": f"id{i}", "kernel": f"mod:k{i}", **extra}
@@ -133,39 +119,10 @@ def test_manifest_recorder_merges_into_the_existing_manifest(tmp_path):
     assert manifest["supplemented"] == "two old records"
 
 
-def test_gate_grad_probe_dry_run():
-    """The probe runs its seeds (reference kernels here) and prints a row per seed and parameter precision."""
-    proc = _run(["scripts/probe_gate_grads.py", "--device", "cpu", "--tiny", "--seeds", "2"])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| 0 |", "| 1 |"))]
-    assert len(rows) == 4 and all(len(r.split("|")) == 17 for r in rows), proc.stdout
-    # the sums over tokens cancel (the summed magnitudes of their terms exceed the sums' size), and the error
-    # measured against those magnitudes is the smaller one
-    for row in rows:
-        cells = [float(c) for c in row.split("|")[3:-1]]
-        err_a_log, err_dt, kappa_a_log, kappa_dt, scaled_a_log, scaled_dt = cells[6], cells[7], *cells[9:13]
-        assert kappa_a_log > 1 and kappa_dt > 1, row
-        assert scaled_a_log < err_a_log and scaled_dt < err_dt, row
-
-
-def test_launch_cost_probe_dry_run():
-    """The probe times both mixers' calls and profiles them (reference kernels on a CPU here)."""
-    proc = _run(["scripts/probe_launch_cost.py", "--device", "cpu", "--calls", "4", "--top", "5"])
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    for op in ("gated_delta_rule", "kda"):
-        line = next(l for l in proc.stdout.splitlines() if l.startswith(f"{op}: "))
-        assert float(line.split()[1]) > 0 and "ms of host time per forward + backward call" in line
-    assert proc.stdout.count("Ordered by: internal time") == 2
-
-
 def test_gpu_timeline_from_a_trace(tmp_path):
     """The profile's GPU timeline: busy time is the union of overlapping kernels, gaps are idle, and a gap whose
     next kernel was launched just before it began counts as waiting for the CPU."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        from bench_throughput import gpu_timeline
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
+    gpu_timeline = _import("bench_throughput").gpu_timeline
 
     def kernel(name, ts, dur, corr):
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
@@ -190,46 +147,41 @@ def test_gpu_timeline_from_a_trace(tmp_path):
     assert float(rows[0].split("|")[0]) == 0.015
 
 
-def test_gemm_probe_lists_every_product():
-    """scripts/probe_gemm_shapes.py's list of a step's matrix products: the forward products cover every
-    projection weight once per token (the output layer over its chunks, the fused input projections as one),
-    and the input- and weight-gradient products as many FLOPs again."""
-    import torch
-
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import probe_gemm_shapes
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
-    from hybridtitan.models import HybridLM, get_flavor
-
-    tokens = 3 * 4096 + 100  # a last, shorter loss chunk
-    for flavor in ("gdn_300M", "kda_300M"):
-        shapes = probe_gemm_shapes.step_gemms(flavor, tokens, 4096)
-        with torch.device("meta"):
-            model = HybridLM(get_flavor(flavor))
-        weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-        weights += model.output_weight.numel() if model.lm_head is None else 0
-        flops = {layout: sum(2 * m * n * k * c for (m, n, k, lay, _), c in shapes.items() if lay == layout)
-                 for layout in ("nt", "nn", "tn")}
-        assert flops["nt"] == flops["nn"] == flops["tn"] == 2 * tokens * weights, (flavor, flops, weights)
-        # the output layer's weight gradient accumulates in float32, once per chunk
-        assert sum(c for (*_, acc), c in shapes.items() if acc) == 4
+def test_trainer_speed_cases():
+    """A case is FLAVOR[:key=value,...], and a comma starts a new pair only where a key= follows it."""
+    case = _import("trainer_speed").parse_case("gdn_300M:compile.components=norm,swiglu,training.seq_len=8192")
+    assert case.flavor == "gdn_300M"
+    assert case.overrides == {"compile.components": "norm,swiglu", "training.seq_len": "8192"}
+    with pytest.raises(ValueError, match="not key=value"):
+        _import("trainer_speed").parse_case("gdn_300M:training.seq_len")
 
 
-def test_short_conv_bench_dry_run():
-    """The convolution benchmark runs its three cases, both rows (the PyTorch reference on a CPU)."""
-    proc = _run(["scripts/bench_short_conv.py", "--device", "cpu", "--batch", "1", "--seq", "16", "--reps", "1"])
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [l for l in proc.stdout.splitlines() if " us per forward + backward" in l]
-    assert [r.split(":")[0] for r in rows] == ["gdn_300M", "kda_300M", "zebra_mamba2_300M xBC"], proc.stdout
-
-
-def test_step_host_probe_dry_run():
-    """The probe times torch's clipping and AdamW against the trainer's on FSDP's DTensors, and checks that both
-    give the same norm and update (narrow gdn_300M on a CPU here)."""
-    proc = _run(["scripts/probe_step_host.py", "--device", "cpu", "--tiny", "--calls", "3"])
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "gdn_300M (tiny) on cpu: 218 parameters" in proc.stdout
-    assert len(re.findall(r"ms host, [0-9.]+ ms wall per call", proc.stdout)) == 4
-    assert "same norm and same first update both ways" in proc.stdout
+def test_trainer_speed_dry_run(tmp_path):
+    """The trainer itself on a CPU, from this checkout and (--tree) from the same checkout again: a row per run with
+    the speed it logged over the steps after the warm-up, describe's FLOPs per token and memory estimate, and the
+    two trees side by side; with --fit a run that runs out of memory (simulated above a batch of 1) is retried at
+    half the local batch, on each tree."""
+    out, md = tmp_path / "speed.json", tmp_path / "speed.md"
+    proc = _run(["gpu_harness/trainer_speed.py", "debug_hybrid", "--device", "cpu", "--steps", "3", "--warmup", "1",
+                 "--tree", str(REPO), "--fit", "--simulate-oom-above", "1", "--workdir", str(tmp_path / "runs"),
+                 "--json", str(out), "--markdown", str(md)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = result["results"]
+    assert [r["tree_path"] for r in rows] == [str(REPO), str(REPO)]
+    assert [r["tree"].split("@")[0] for r in rows] == ["this", REPO.name]
+    for r in rows:
+        assert r["status"] == "OK", r
+        assert r["oom_at"] == [2] and r["local_batch"] == r["global_batch"] == 1, r
+        assert r["flavor"] == "debug_hybrid" and r["seq_len"] == 128
+        assert r["steps_measured"] == 2 and r["tokens_per_s"] > 0 and r["step_s"] > 0
+        assert r["tflops_per_gpu"] == pytest.approx(r["flops_per_token"] * r["tokens_per_s"] / 1e12)
+        assert r["memory_estimate_gib"] > 0
+        assert r["memory_gib"] is None and r["mfu_logged"] is None and "mfu_matmul" not in r  # a CPU logs none
+        records = [json.loads(line) for line in (Path(r["log"]).parent / "dump" / "metrics.jsonl").open()]
+        assert [rec["step"] for rec in records] == [1, 2, 3]
+    first, second = result["summary"]
+    assert second["vs_first_tree"] == pytest.approx(second["tokens_per_s"] / first["tokens_per_s"])
+    report = md.read_text()
+    assert re.search(r"\| debug_hybrid +\| this@\w+\+? +\| 1 +\| 1 +\|", report), report
+    assert "OK (OOM at 2)" in report and "vs first tree" in report

@@ -3,7 +3,7 @@ and MI355X (gfx950), with sm_90 as the control, on this CPU machine; and the rec
 captures what Triton compiles.
 
 The suite compiles a deterministic subset of the manifest (one record per kernel, spread over it: see
-``SUITE_RECORDS``); ``python scripts/rocm_compile_check.py`` compiles all of it.
+``SUITE_RECORDS``); ``python gpu_harness/rocm_compile_check.py`` compiles all of it.
 """
 
 import importlib.util
@@ -20,16 +20,15 @@ import triton.language as tl
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 
-from hybridtitan.tools.triton_recorder import (
-    TARGETS,
-    compile_args,
-    load_manifest,
-    record_triton_kernels,
-    save_manifest,
-)
-
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "rocm_compile_check.py"
+HARNESS = REPO / "gpu_harness"
+sys.path.insert(0, str(HARNESS))  # the recorder, as the harness's scripts import it
+try:
+    from triton_recorder import TARGETS, compile_args, load_manifest, record_triton_kernels, save_manifest
+finally:
+    sys.path.remove(str(HARNESS))
+
+SCRIPT = HARNESS / "rocm_compile_check.py"
 MANIFEST = REPO / "tests" / "assets" / "triton_kernels.json"
 ALL_TARGETS = ("gfx942", "gfx950", "sm_90")
 # A compile takes 0.3-6 s on one core for each of 3 targets: the whole manifest (hundreds of records, mostly recorded
