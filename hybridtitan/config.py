@@ -111,6 +111,11 @@ class Training:
     loss_chunk_size: int = 4096
     """Tokens per chunk of the fused linear cross-entropy (its extra memory is one chunk of logits)"""
 
+    eod_mask_loss: bool = False
+    """No loss where the input token is the end-of-document token (Megatron's eod_mask_loss: the first token of
+    the next document is not predicted from the last one's EOD). The loss is the mean over the counted tokens of
+    the whole global batch, however it is split into micro-batches and ranks"""
+
     cuda_graphs: bool = False
     """GPU: replay the recurrent mixers' FLA calls from CUDA graphs captured in the first step (whole sequences;
     packed documents run eagerly). Much less host time per step for more memory (each layer keeps its own

@@ -5,10 +5,11 @@
 Reads the model tensors straight from the DCP folder (a step folder, a checkpoint folder or a dump folder: the
 latest complete step, or --step N). Pure GDN and KDA models are written in FLA's own layouts
 (GatedDeltaNetForCausalLM, KDAForCausalLM: ``import fla`` and ``AutoModelForCausalLM.from_pretrained`` load them
-without hybridtitan); every other model (MLA hybrids, Mamba2) for hybridtitan's own classes (``model_type:
-hybridtitan``), registered with the Auto classes when hybridtitan is imported and loadable with
-``trust_remote_code=True`` through ``auto_map`` -- those two small files import hybridtitan, so it must be installed
-where the export is loaded. ``--format hybridtitan`` writes a GDN/KDA model in our layout too.
+without hybridtitan); every other model (MLA hybrids, Mamba2) in hybridtitan's own layout (``model_type:
+hybridtitan``). That folder carries its own configuration and modeling code (hybridtitan/hf/remote_code/, named by
+``auto_map``): it loads with ``trust_remote_code=True`` where only torch and transformers are installed (FLA's
+kernels on GPUs when it imports); where hybridtitan is imported, its registered classes load it instead.
+``--format hybridtitan`` writes a GDN/KDA model in our layout too.
 
 The folder is written next to the output under a temporary name and renamed into place once complete, so an
 interrupted export leaves nothing that looks finished. An existing output folder that is not empty is refused;

@@ -1,7 +1,8 @@
 """Training metrics: one console line per log step, a JSONL file in the dump folder, TensorBoard, optional W&B.
 
-Only rank 0 writes. Throughput is tokens per second per device; MFU is the counted training FLOPs per token
-(models/flops.py) times that rate over the device's peak bf16 FLOP/s (none on a CPU: MFU is left out).
+Only rank 0 writes. Throughput is tokens per second per device (every token processed); TFLOP/s per device is the
+counted training FLOPs per token (models/flops.py) times that rate, and MFU that over the device's datasheet peak
+bf16 FLOP/s (none on a CPU: MFU is left out).
 """
 
 from __future__ import annotations
@@ -90,8 +91,9 @@ class MetricsLogger:
                                     config=job_config)
 
     def log(self, step: int, *, loss: float, grad_norm: float, lr: float, tokens_per_step: int, window_steps: int,
-            window_time: float, tokens_seen: int, skipped_steps: int) -> dict:
-        """The last ``window_steps`` steps took ``window_time`` seconds, each ``tokens_per_step`` tokens per device."""
+            window_time: float, tokens_seen: int, skipped_steps: int, loss_tokens: int | None = None) -> dict:
+        """The last ``window_steps`` steps took ``window_time`` seconds, each ``tokens_per_step`` tokens per device
+        (every token processed; ``loss_tokens``: those the loss of this step counted, over the global batch)."""
         step_time = window_time / max(window_steps, 1)
         tps = tokens_per_step / step_time if step_time > 0 else 0.0
         elapsed = time.monotonic() - self.start
@@ -101,7 +103,11 @@ class MetricsLogger:
             "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens_per_sec_per_device": tps,
             "step_time_s": step_time, "tokens_seen": tokens_seen, "elapsed_s": elapsed, "eta_s": eta,
             "skipped_steps": skipped_steps,
+            # the model FLOPs done per second (training FLOPs per token x tokens/s), the figure Primus reports
+            "tflops_per_device": self.flops_per_token * tps / 1e12,
         }
+        if loss_tokens is not None:
+            record["loss_tokens"] = loss_tokens
         if self.peak:
             record["mfu"] = self.flops_per_token * tps / self.peak
         if self.device.type == "cuda":
@@ -115,6 +121,7 @@ class MetricsLogger:
         parts = [f"step {r['step']:>{len(str(self.total_steps))}}/{self.total_steps}", f"loss {r['loss']:.4f}",
                  f"grad_norm {r['grad_norm']:.3f}", f"lr {r['lr']:.2e}",
                  f"tok/s/dev {r['tokens_per_sec_per_device']:,.0f}"]
+        parts.append(f"tflop/s/dev {r['tflops_per_device']:.3g}")
         if "mfu" in r:
             parts.append(f"mfu {100 * r['mfu']:.1f}%")
         if "memory_gib" in r:

@@ -87,7 +87,8 @@ def preflight(cfg) -> Plan:
     try:  # only data parallelism: the data-parallel rank is the global rank
         dataloader = build_dataloader(
             cfg.data, tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
-            dp_rank=int(os.environ.get("RANK", "0")), dp_world_size=dp.size, seed=seed, vocab_size=args.vocab_size)
+            dp_rank=int(os.environ.get("RANK", "0")), dp_world_size=dp.size, seed=seed, vocab_size=args.vocab_size,
+            eod_mask_loss=t.eod_mask_loss)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     start = choose_start(cfg)

@@ -40,6 +40,7 @@ from hybridtitan import ops
 from hybridtitan.checkpoint import CheckpointManager
 from hybridtitan.config import TRAIN_USAGE, ConfigError, compiles, parse_config, selective_ac_interval, to_dict
 from hybridtitan.data.config import recorded_path
+from hybridtitan.data.loader import IGNORE_INDEX
 from hybridtitan.errors import DataError, first_error_line
 from hybridtitan.metrics import MetricsLogger
 from hybridtitan.models import build_model
@@ -77,6 +78,7 @@ class StepResult:
     grad_norm: torch.Tensor  # over all ranks, before clipping
     applied: torch.Tensor  # bool: the update was made (the gradient norm was finite)
     lr: float
+    loss_tokens: torch.Tensor  # the tokens the loss counted, over the global batch
 
 
 def kernel_config(cfg, device: torch.device) -> ops.KernelConfig:
@@ -313,18 +315,20 @@ class Trainer:
         return self.last_logged
 
     def train_step(self) -> StepResult:
-        """One optimizer step over the step's micro-batches: forward, backward, clip, update."""
-        t, device, accum = self.cfg.training, self.device, self.plan.grad_accum
-        loss_total = torch.zeros((), device=device)
-        for _ in range(accum):
-            batch = next(self.batches)
-            input_ids = batch["input_ids"].to(device, non_blocking=True)
-            labels = batch["labels"].to(device, non_blocking=True)
-            cu = batch.get("cu_seqlens")
-            cu = cu.to(device, non_blocking=True) if cu is not None else None
-            loss_sum, count = self.model(input_ids, labels=labels, cu_seqlens=cu, loss_chunk_size=t.loss_chunk_size,
-                                         reduction="sum")
-            loss = loss_sum / count.clamp(min=1) / accum
+        """One optimizer step over the step's micro-batches: forward, backward, clip, update. The loss is the mean
+        over the counted tokens of the global batch (all micro-batches of all ranks), so a split into more
+        micro-batches or ranks gives the same step."""
+        t, accum = self.cfg.training, self.plan.grad_accum
+        batches = [self.to_device(next(self.batches)) for _ in range(accum)]
+        counted = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches)
+        dist.all_reduce(counted)  # the global batch's
+        # FSDP averages the gradients over the ranks: each micro-batch's sum over the mean count per micro-batch
+        per_micro_batch = (counted / (self.plan.dp.size * accum)).clamp(min=1)
+        loss_total = torch.zeros((), device=self.device)
+        for b in batches:
+            loss_sum, _ = self.model(b["input_ids"], labels=b["labels"], cu_seqlens=b.get("cu_seqlens"),
+                                     loss_chunk_size=t.loss_chunk_size, reduction="sum")
+            loss = loss_sum / per_micro_batch / accum
             loss.backward()
             loss_total += loss.detach()
         grad_norm = clip_grad_norm_(self.model.parameters(), t.max_norm)
@@ -334,7 +338,10 @@ class Trainer:
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.tokens_seen += self.tokens_per_step_local * self.plan.dp.size
-        return StepResult(loss_total, grad_norm, applied, lr)
+        return StepResult(loss_total, grad_norm, applied, lr, counted)
+
+    def to_device(self, batch: dict) -> dict:
+        return {key: value.to(self.device, non_blocking=True) for key, value in batch.items()}
 
     def log_due(self, step: int) -> bool:
         """Every metrics.log_freq steps, the last, and the first (the initial loss and the start-up cost) of the
@@ -355,7 +362,7 @@ class Trainer:
             step, loss=mean_loss.item(), grad_norm=result.grad_norm.item(), lr=result.lr,
             tokens_per_step=self.tokens_per_step_local, window_steps=step - w.start_step,
             window_time=time.perf_counter() - w.start_time, tokens_seen=self.state.tokens_seen,
-            skipped_steps=self.state.skipped_steps)
+            skipped_steps=self.state.skipped_steps, loss_tokens=int(result.loss_tokens.item()))
         self.window = LogWindow(step)
 
     def maybe_save(self, step: int, due: bool) -> None:

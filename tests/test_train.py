@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from helpers import QUICK, RECIPE, ROOT, env, losses, run_train, state
+from helpers import QUICK, RECIPE, ROOT, env, losses, records, run_train, state
 
 from hybridtitan.checkpoint import complete_steps
 
@@ -108,10 +108,10 @@ def test_nonfinite_gradients_skip_the_update(tmp_path, monkeypatch, implementati
                      "--optimizer.implementation", implementation)
     assert "step 3: non-finite gradient norm nan, update skipped" in proc.stdout
     assert "step 4: non-finite gradient norm nan, update skipped" in proc.stdout
-    records = {r["step"]: r for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())}
-    assert sorted(records) == [1, 2, 5, 6]  # a window whose every update was skipped logs nothing
-    assert records[2]["skipped_steps"] == 0 and records[6]["skipped_steps"] == 2
-    assert all(r["loss"] == r["loss"] for r in records.values())  # finite: the skipped steps are not averaged in
+    logged = records(dump)
+    assert sorted(logged) == [1, 2, 5, 6]  # a window whose every update was skipped logs nothing
+    assert logged[2]["skipped_steps"] == 0 and logged[6]["skipped_steps"] == 2
+    assert all(r["loss"] == r["loss"] for r in logged.values())  # finite: the skipped steps are not averaged in
     s2, s4, s6 = state(dump, 2), state(dump, 4), state(dump, 6)
     assert all(torch.equal(s2[k], s4[k]) for k in s2)
     assert not all(torch.equal(s4[k], s6[k]) for k in s4)
@@ -148,3 +148,81 @@ def test_error_on_one_rank_ends_the_run_at_once(tmp_path):
     assert "raise DataError" not in proc.stdout + proc.stderr
     # ~15 s here; a rank waiting in the barrier would add the 240 s timeout
     assert time.monotonic() - t0 < 180, "waited for the collective timeout"
+
+
+# Run under torchrun by test_eod_mask_loss_is_the_global_mean: the trainer on one fixed global batch of 4 rows,
+# each rank given its rows (a quarter of them per micro-batch and rank at most), one step, checkpoint saved.
+_GLOBAL_BATCH_SCRIPT = """
+import os, sys, torch
+from hybridtitan.config import parse_config
+from hybridtitan.data.loader import Collate
+from hybridtitan.preflight import preflight
+from hybridtitan.train import Trainer
+cfg = parse_config(sys.argv[1:])
+plan = preflight(cfg)
+trainer = Trainer(cfg, plan)
+rows = torch.load(os.environ["HT_TEST_BATCH"])  # [4, T + 1]
+rank, local = int(os.environ.get("RANK", "0")), cfg.training.local_batch_size
+mine = rows[rank * (len(rows) // plan.dp.size):][: len(rows) // plan.dp.size]
+collate = Collate(eos=0, document_boundaries=False, vocab_size=None, eod_mask_loss=cfg.training.eod_mask_loss)
+trainer.batches = iter([collate([{"input_ids": r[:-1], "labels": r[1:]} for r in mine[i:i + local]])
+                        for i in range(0, len(mine), local)])
+trainer.train()
+trainer.close(finished=True)
+"""
+
+
+def test_eod_mask_loss_is_the_global_mean(tmp_path):
+    """training.eod_mask_loss: no loss where the input is EOD, and the loss is the mean over the counted tokens of
+    the whole global batch. Short documents make the counts differ between rows, so a mean per micro-batch would
+    differ from it. One step on the same 4 rows, split 4 x 1, 2 micro-batches x 2, 2 ranks x 2, 2 ranks x 2
+    micro-batches x 1: the same logged loss, equal to the masked mean computed here, and the same update (up to
+    float32 rounding)."""
+    from hybridtitan.data.tokenizer import build_tokenizer
+    from hybridtitan.models import build_model, get_flavor
+
+    gen = torch.Generator().manual_seed(0)
+    T, eos = 64, 0  # the shipped tokenizer's EOS is id 0
+    assert build_tokenizer("hybridtitan/assets/tokenizer").eos_token_id == eos
+    rows = torch.randint(1, 8192, (4, T + 1), generator=gen)
+    rows[torch.rand(4, T + 1, generator=gen) < torch.tensor([0.02, 0.3, 0.1, 0.5]).unsqueeze(1)] = eos
+    torch.save(rows, tmp_path / "batch.pt")
+    script = tmp_path / "global_batch.py"
+    script.write_text(_GLOBAL_BATCH_SCRIPT)
+    splits = {"4x1": (1, 4), "2x2": (1, 2), "ranks2x2": (2, 2), "ranks2x1x2": (2, 1)}
+    dumps = {}
+    for name, (nproc, local) in splits.items():
+        dumps[name] = tmp_path / name
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(script), "--job.config_file", RECIPE, "--job.dump_folder", str(dumps[name]), *QUICK,
+               "--training.seq_len", str(T), "--training.local_batch_size", str(local),
+               "--training.global_batch_size", "4", "--training.steps", "1", "--training.eod_mask_loss", "true",
+               "--checkpoint.enable", "true", "--checkpoint.interval", "1", "--lr_scheduler.warmup_steps", "0",
+               # Adam with a large eps: an update proportional to the gradient, which the weights then show (with
+               # the usual eps, a gradient near zero would turn into a full step of either sign)
+               "--optimizer.lr", "1.0", "--optimizer.eps", "1.0", "--optimizer.weight_decay", "0"]
+        proc = subprocess.run(cmd, cwd=ROOT, env=dict(env(), HT_TEST_BATCH=str(tmp_path / "batch.pt")),
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the expected loss: the initial model (the trainer's seed) on all 4 rows, masked where the input is EOD
+    torch.manual_seed(42)  # as the trainer builds it: on the meta device, then initialised
+    model = build_model(get_flavor("debug_hybrid"), "meta")
+    model.to_empty(device="cpu")
+    model.init_weights()
+    inputs, labels = rows[:, :-1], rows[:, 1:].masked_fill(rows[:, :-1] == eos, -100)
+    with torch.no_grad():
+        logits = model(inputs)
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)).item()
+    per_row = [torch.nn.functional.cross_entropy(logits[i], labels[i]).item() for i in range(4)]
+    assert abs(sum(per_row) / 4 - expected) > 1e-4 * expected  # a mean of means: 10x the tolerance below
+    for name, dump in dumps.items():
+        record = records(dump)[1]
+        assert abs(record["loss"] - expected) < 1e-5 * expected, (name, record["loss"], expected)
+        assert record["loss_tokens"] == int((labels != -100).sum())
+    initial = model.state_dict()
+    reference = {key: value - initial[key] for key, value in state(dumps["4x1"], 1).items()}
+    assert all(update.abs().max() > 0 for key, update in reference.items() if "embeddings" in key or "proj" in key)
+    for name in ("2x2", "ranks2x2", "ranks2x1x2"):
+        for key, value in state(dumps[name], 1).items():
+            update = value - initial[key]
+            assert (update - reference[key]).norm() <= 1e-4 * reference[key].norm() + 1e-7, (name, key)

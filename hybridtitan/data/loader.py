@@ -41,6 +41,7 @@ from .sources import build_documents
 from .tokenizer import eos_id, vocab_mismatch
 
 STATE_VERSION = 1
+IGNORE_INDEX = -100  # a label that counts for nothing (the loss's ignore_index)
 
 
 class PackedDataset(IterableDataset):
@@ -92,8 +93,10 @@ class PackedDataset(IterableDataset):
 class Collate:
     """Stacks samples into a batch; with document boundaries, adds cu_seqlens over the flattened batch."""
 
-    def __init__(self, eos: int, document_boundaries: bool, vocab_size: int | None = None):
+    def __init__(self, eos: int, document_boundaries: bool, vocab_size: int | None = None,
+                 eod_mask_loss: bool = False):
         self.eos, self.document_boundaries, self.vocab_size = eos, document_boundaries, vocab_size
+        self.eod_mask_loss = eod_mask_loss
 
     def __call__(self, samples: list[dict]) -> dict:
         batch = {"input_ids": torch.stack([s["input_ids"] for s in samples]),
@@ -105,13 +108,16 @@ class Collate:
             if top >= self.vocab_size:
                 raise DataError(f"data: token id {top} is outside the model's vocabulary ({self.vocab_size} ids): "
                                 "data tokenized for another vocabulary?")
+        if self.eod_mask_loss:  # no loss where the input is EOD: the label there is the next document's first token
+            batch["labels"] = batch["labels"].masked_fill(batch["input_ids"] == self.eos, IGNORE_INDEX)
         if self.document_boundaries:
             batch["cu_seqlens"] = cu_seqlens(batch["input_ids"], self.eos)
         return batch
 
 
 def build_dataloader(cfg: Data, tokenizer, *, seq_len: int, local_batch_size: int, dp_rank: int,
-                     dp_world_size: int, seed: int, vocab_size: int | None = None) -> StatefulDataLoader:
+                     dp_world_size: int, seed: int, vocab_size: int | None = None,
+                     eod_mask_loss: bool = False) -> StatefulDataLoader:
     """The infinite, exactly resumable loader of this data-parallel rank's batches (see the module docstring).
     `tokenizer` may be None for the mock source (EOS is then token 0)."""
     validate_data_config(cfg)
@@ -133,7 +139,7 @@ def build_dataloader(cfg: Data, tokenizer, *, seq_len: int, local_batch_size: in
         raise ValueError(f"data.tokenizer: the EOS id ({eos}) is outside the model's vocab_size ({vocab_size})")
     dataset = PackedDataset(cfg, tokenizer, seq_len=seq_len, dp_rank=dp_rank, dp_world_size=dp_world_size,
                             seed=seed, eos=eos, vocab_size=vocab_size)
-    collate = Collate(eos, cfg.document_boundaries, vocab_size)
+    collate = Collate(eos, cfg.document_boundaries, vocab_size, eod_mask_loss)
     return StatefulDataLoader(dataset, batch_size=local_batch_size, collate_fn=collate,
                               num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available(),
                               worker_init_fn=_own_process_group if cfg.num_workers else None)

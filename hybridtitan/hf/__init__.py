@@ -1,10 +1,12 @@
 """Hugging Face integration: hybridtitan's own model class (``model_type: hybridtitan``) and its cache.
 
 Importing this package registers HybridTitanConfig and HybridTitanForCausalLM with transformers' AutoConfig
-and AutoModelForCausalLM, so ``AutoModelForCausalLM.from_pretrained(export_dir)`` loads an export once
-hybridtitan is imported; without that import, ``trust_remote_code=True`` finds the classes through the export's
-``auto_map`` (whose two small files import hybridtitan: it must be installed). Pure GDN and KDA models are
-exported in FLA's own layouts instead (see hybridtitan.hf.convert).
+and AutoModelForCausalLM, so ``AutoModelForCausalLM.from_pretrained(export_dir)`` loads an export with these
+classes once hybridtitan is imported, also with ``trust_remote_code=True`` (transformers 5.24, the release of
+constraints-cpu.txt, prefers a class registered outside transformers to a folder's code). Without that import,
+``trust_remote_code=True`` loads the export's own standalone code (``auto_map``: the files of remote_code/, which
+need no hybridtitan). Pure GDN and KDA models are exported in FLA's own layouts instead (see
+hybridtitan.hf.convert).
 """
 
 from transformers import AutoConfig, AutoModelForCausalLM

@@ -9,21 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 
 from transformers import PreTrainedConfig
 
 from hybridtitan.models import ModelArgs
 
-# For trust_remote_code: a saved folder's auto_map names these two files, which import hybridtitan (it must be
-# installed). Importing hybridtitan registers the classes with the Auto classes instead.
-REMOTE_CODE = {
-    "configuration_hybridtitan.py": (
-        '"""hybridtitan\'s Hugging Face config, for trust_remote_code. Requires hybridtitan to be installed."""\n\n'
-        "from hybridtitan.hf.configuration import HybridTitanConfig  # noqa: F401\n"),
-    "modeling_hybridtitan.py": (
-        '"""hybridtitan\'s Hugging Face model class, for trust_remote_code. Requires hybridtitan to be installed."""'
-        "\n\nfrom hybridtitan.hf.modeling import HybridCache, HybridTitanForCausalLM  # noqa: F401\n"),
-}
+# For trust_remote_code: a saved folder's auto_map names these two files, standalone modules (torch and
+# transformers, FLA's kernels on GPUs when it imports) kept in remote_code/ and copied into the folder: it loads
+# without hybridtitan. Where hybridtitan is imported, its registration gives the classes of this package instead.
+REMOTE_CODE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "remote_code")
+REMOTE_CODE = ("configuration_hybridtitan.py", "modeling_hybridtitan.py")
 AUTO_MAP = {
     "AutoConfig": "configuration_hybridtitan.HybridTitanConfig",
     "AutoModelForCausalLM": "modeling_hybridtitan.HybridTitanForCausalLM",
@@ -31,16 +27,17 @@ AUTO_MAP = {
 
 
 def write_remote_code(folder: str) -> None:
-    for name, text in REMOTE_CODE.items():
-        with open(os.path.join(folder, name), "w") as f:
-            f.write(text)
+    """Copies the two standalone files that AUTO_MAP names into ``folder``."""
+    for name in REMOTE_CODE:
+        shutil.copyfile(os.path.join(REMOTE_CODE_DIR, name), os.path.join(folder, name))
 
 
 @contextlib.contextmanager
 def without_auto_class(obj):
-    """transformers' save_pretrained copies the source file of a class loaded through trust_remote_code (here
-    hybridtitan's own module, under its own name) and points auto_map at it, which then fails to load: saving
-    with ``_auto_class`` unset skips that, and REMOTE_CODE / AUTO_MAP are written instead."""
+    """transformers' save_pretrained copies the source file of a class registered for an Auto class
+    (``register_for_auto_class``, as a trust_remote_code load does) and points auto_map at it: for this package's
+    classes that would be a module importing hybridtitan, under its own name. Saving with ``_auto_class`` unset
+    skips that, and REMOTE_CODE / AUTO_MAP are written instead."""
     own = "_auto_class" in vars(obj)
     saved = vars(obj).get("_auto_class")
     obj._auto_class = None
@@ -88,7 +85,8 @@ class HybridTitanConfig(PreTrainedConfig):
         return model_args_from_dict(self.model_args)
 
     def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
-        """Also writes the two files that auto_map names, so that the folder loads with trust_remote_code."""
+        """Also writes the two standalone files that auto_map names, so that the folder loads with
+        trust_remote_code where hybridtitan is not installed."""
         self.auto_map = dict(AUTO_MAP)
         if self.model_args and getattr(self, "vocab_size", None) not in (None, self.model_args.get("vocab_size")):
             # resize_token_embeddings sets vocab_size: the folder's model is the resized one
