@@ -1,0 +1,399 @@
+"""Exports in hybridtitan's own layout load without hybridtitan: the folder's own code (hybridtitan/hf/remote_code,
+copied by the export and named by auto_map) must compute what hybridtitan computes.
+
+Two levels:
+
+* in this process, the two files imported from an export folder by path (no trust_remote_code machinery), for
+  every debug flavor (GDN and KDA with --format hybridtitan): logits, cached decoding and greedy tokens against
+  HybridLM on the same weights, and what transformers' tools use (hidden states, loss, padding, the cache,
+  resizing and saving, activation checkpointing, a fresh init, bf16);
+* in a fresh virtual environment that holds torch, transformers and safetensors only (made once per session; no
+  hybridtitan, no FLA), AutoModelForCausalLM / AutoTokenizer with trust_remote_code=True, for debug_hybrid and
+  debug_mamba2: logits and greedy generate() tokens against HybridLM here. The processes exchange files.
+
+The environment takes about two minutes to make on a 2-core machine (pip, from the local wheel and package
+mirrors); HYBRIDTITAN_STANDALONE_PYTHON=/path/to/python reuses one made before (it must lack hybridtitan and FLA:
+the test checks).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from test_export_hf import FLAVORS, train_debug_checkpoints  # the session's trained dumps, shared
+
+REPO = Path(__file__).resolve().parents[1]
+REMOTE_CODE_DIR = REPO / "hybridtitan" / "hf" / "remote_code"
+# the stdlib modules the two files may import besides torch, transformers (and fla, optionally)
+STDLIB = {"__future__", "dataclasses", "functools", "inspect", "math", "os", "shutil"}
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory) -> dict[str, Path]:
+    return train_debug_checkpoints(tmp_path_factory.getbasetemp() / "hybridtitan_debug_dumps")
+
+
+@pytest.fixture(scope="module")
+def exports(trained, tmp_path_factory) -> dict[str, Path]:
+    """flavor -> float32 export in hybridtitan's layout (GDN and KDA with --format hybridtitan)."""
+    from hybridtitan.export_hf import export
+
+    base = tmp_path_factory.mktemp("standalone_exports")
+    out = {}
+    for flavor in FLAVORS:
+        out[flavor] = base / flavor
+        assert export(str(trained[flavor]), str(out[flavor]), dtype="float32", format="hybridtitan") == "hybridtitan"
+    return out
+
+
+def ours(dump: Path):
+    from hybridtitan.checkpoint import load_model
+
+    return load_model(str(dump), "cpu", torch.float32)[0].eval()
+
+
+def tokens(shape, seed=0):
+    return torch.randint(5, 8000, shape, generator=torch.Generator().manual_seed(seed))
+
+
+_loaded: dict[str, types.ModuleType] = {}
+
+
+def remote_module(folder: Path) -> types.ModuleType:
+    """The folder's modeling_hybridtitan, imported by path as a package of its own (its relative import of the
+    configuration file resolves inside the folder)."""
+    name = f"standalone_{len(_loaded)}"
+    if str(folder) not in _loaded:
+        package = types.ModuleType(name)
+        package.__path__ = [str(folder)]
+        sys.modules[name] = package
+        _loaded[str(folder)] = importlib.import_module(f"{name}.modeling_hybridtitan")
+    return _loaded[str(folder)]
+
+
+def load(folder: Path, **kwargs):
+    mod = remote_module(folder)
+    model, info = mod.HybridTitanForCausalLM.from_pretrained(str(folder), output_loading_info=True, **kwargs)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    return model.eval(), mod
+
+
+def cache_of(out):
+    return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+
+
+def reference_greedy(ref, prompt: torch.Tensor, new: int) -> torch.Tensor:
+    """HybridLM's own greedy decode with its InferenceCache (one token a step after the prompt)."""
+    from hybridtitan.models import InferenceCache
+
+    cache = InferenceCache(len(ref.layers))
+    seq, step = prompt, prompt
+    with torch.no_grad():
+        for _ in range(new):
+            step = ref(step, cache=cache)[:, -1:].argmax(-1)
+            seq = torch.cat([seq, step], dim=1)
+    return seq
+
+
+# ------------------------------------------------------------------------------------------ the code itself
+
+
+def test_code_files_are_standalone(exports):
+    """The export carries the repository's two files unchanged; they import torch, transformers and the stdlib,
+    FLA only inside a try, and never hybridtitan. auto_map names them; the package ships them."""
+    from hybridtitan.hf.configuration import AUTO_MAP, REMOTE_CODE
+
+    for folder in exports.values():
+        config = json.loads((folder / "config.json").read_text())
+        assert config["model_type"] == "hybridtitan" and config["auto_map"] == AUTO_MAP and config["model_args"]
+        for name in REMOTE_CODE:
+            assert (folder / name).read_bytes() == (REMOTE_CODE_DIR / name).read_bytes()
+    for name in REMOTE_CODE:
+        tree = ast.parse((REMOTE_CODE_DIR / name).read_text())
+        guarded = {id(n) for t in ast.walk(tree) if isinstance(t, ast.Try) for b in t.body for n in ast.walk(b)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                roots = {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                roots = {"." if node.level else node.module.split(".")[0]}
+            else:
+                continue
+            allowed = {"torch", "transformers", "."} | STDLIB | ({"fla"} if id(node) in guarded else set())
+            assert roots <= allowed, f"{name}:{node.lineno} imports {roots - allowed}"
+
+
+# ------------------------------------------------------------------------------------------ in this process
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_logits_decode_and_greedy_match_hybridlm(flavor, trained, exports):
+    hf, mod = load(exports[flavor])
+    ref = ours(trained[flavor])
+    # 100 tokens: past a GDN/Mamba2 chunk (64) and several KDA chunks (16)
+    x = tokens((2, 100))
+    with torch.no_grad():
+        expected = ref(x)
+        torch.testing.assert_close(hf(x).logits, expected, atol=1e-5, rtol=0)
+        # prefill 90 tokens with a cache, then one token per call
+        out = hf(x[:, :90], use_cache=True)
+        cache = cache_of(out)
+        assert isinstance(cache, mod.HybridTitanCache) and cache.get_seq_length() == 90
+        steps = [out.logits] + [hf(x[:, t:t + 1], past_key_values=cache).logits for t in range(90, 100)]
+        torch.testing.assert_close(torch.cat(steps, dim=1), expected, atol=1e-5, rtol=0)
+        assert cache.get_seq_length() == 100
+
+    prompt, new = tokens((1, 9), seed=1), 12
+    seen = []
+    hook = hf.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    generated = hf.generate(prompt, max_new_tokens=new, do_sample=False, use_cache=True)
+    hook.remove()
+    assert seen == [9] + [1] * (new - 1), seen  # the cache is used: one token per step
+    assert torch.equal(generated, reference_greedy(ref, prompt, new))
+
+
+def test_generate_batched_and_without_cache(trained, exports):
+    hf, _ = load(exports["debug_hybrid"])
+    ref = ours(trained["debug_hybrid"])
+    prompts = tokens((3, 7), seed=2)
+    with_cache = hf.generate(prompts, max_new_tokens=5, do_sample=False, use_cache=True)
+    without = hf.generate(prompts, max_new_tokens=5, do_sample=False, use_cache=False)
+    assert torch.equal(with_cache, without)
+    assert torch.equal(with_cache, reference_greedy(ref, prompts, 5))
+    # beam search reorders the cache (reorder_cache / batch_repeat_interleave): the same beams as without it
+    beams = dict(max_new_tokens=4, num_beams=3, do_sample=False)
+    assert torch.equal(hf.generate(prompts[:1], use_cache=True, **beams),
+                       hf.generate(prompts[:1], use_cache=False, **beams))
+
+
+def test_hidden_states_loss_and_outputs_match_hybridtitan_classes(exports):
+    """What hybridtitan's own Hugging Face class gives, given by the standalone one too."""
+    from hybridtitan.hf import HybridTitanForCausalLM
+
+    folder = exports["debug_hybrid"]
+    hf, _ = load(folder)
+    own = HybridTitanForCausalLM.from_pretrained(str(folder)).eval()
+    x = tokens((2, 20))
+    with torch.no_grad():
+        a, b = hf(x, output_hidden_states=True), own(x, output_hidden_states=True)
+        assert len(a.hidden_states) == hf.config.num_hidden_layers + 1
+        for sa, sb in zip(a.hidden_states, b.hidden_states, strict=True):
+            torch.testing.assert_close(sa, sb, atol=1e-5, rtol=0)
+        torch.testing.assert_close(a.hidden_states[0], hf.model.embeddings(x))
+        assert hf(x).hidden_states is None
+        as_tuple = hf(x, use_cache=False, return_dict=False)
+        assert isinstance(as_tuple, tuple) and len(as_tuple) == 1 and torch.equal(as_tuple[0], a.logits)
+        torch.testing.assert_close(hf(x, logits_to_keep=3).logits, a.logits[:, -3:])
+        assert hf(x, logits_to_keep=1).logits.shape == (2, 1, hf.config.vocab_size)
+
+    # the loss, and the micro-batch sum with num_items_in_batch (transformers' Trainer) as in the whole batch
+    hf.train()
+    own.train()
+    labels = x.clone()
+    labels[0, 5:] = -100
+    loss = hf(x, labels=labels).loss
+    torch.testing.assert_close(loss, own(x, labels=labels).loss, atol=1e-5, rtol=1e-5)
+    loss.backward()
+    whole = {n: p.grad.clone() for n, p in hf.named_parameters()}
+    hf.zero_grad()
+    count = (labels[:, 1:] != -100).sum()
+    for rows in (slice(0, 1), slice(1, 2)):
+        hf(x[rows], labels=labels[rows], num_items_in_batch=count).loss.backward()
+    for n, p in hf.named_parameters():
+        torch.testing.assert_close(p.grad, whole[n], atol=1e-5, rtol=1e-4)
+    # and the same gradients as hybridtitan's class
+    own(x, labels=labels).loss.backward()
+    theirs = dict(own.named_parameters())
+    for n, p in hf.named_parameters():
+        torch.testing.assert_close(p.grad, theirs[n].grad, atol=1e-5, rtol=1e-4)
+
+
+def test_padding_and_cache_api(exports):
+    hf, mod = load(exports["debug_hybrid"])
+    x = tokens((2, 7))
+    mask = torch.tensor([[1] * 4 + [0] * 3, [1] * 7])
+    with torch.no_grad():
+        out = hf(x, attention_mask=mask)  # right padding, scoring: right without a cache
+        assert cache_of(out) is None
+        torch.testing.assert_close(out.logits[:1, :4], hf(x[:1, :4]).logits, atol=1e-5, rtol=0)
+        with pytest.raises(ValueError, match="right padding only"):
+            hf(x, attention_mask=mask.flip(1))
+        with pytest.raises(ValueError, match="padded"):
+            hf(x, attention_mask=mask, use_cache=True)
+    with pytest.raises(ValueError, match="padded"):
+        hf.generate(x, attention_mask=mask.flip(1), max_new_tokens=2)
+
+    with torch.no_grad():
+        cache = cache_of(hf(x, use_cache=True))
+        assert isinstance(cache, mod.HybridTitanCache) and cache.batch_size == 2 and len(cache) == 8
+        latents = [s for s in cache.states if "c_kv" in s]
+        assert latents and latents[0]["c_kv"].shape[:2] == (2, 7)  # MLA caches its latent, not K and V
+        assert any(s.get("recurrent") is not None and s["recurrent"].dtype == torch.float32 for s in cache.states)
+        cache.reorder_cache(torch.tensor([1, 0]))
+        step = hf(torch.full((2, 1), 42), past_key_values=cache).logits
+        full = hf(torch.cat([x[[1, 0]], torch.full((2, 1), 42)], dim=1)).logits[:, -1:]
+        torch.testing.assert_close(step, full, atol=1e-5, rtol=0)
+        cache.batch_repeat_interleave(2)
+        assert cache.batch_size == 4
+        cache.crop(cache.get_seq_length())  # a no-op is fine
+        with pytest.raises(NotImplementedError):
+            cache.crop(3)
+        cache.reset()
+        assert cache.get_seq_length() == 0 and cache.batch_size == -1
+
+
+def test_resize_save_and_load_again(exports, tmp_path):
+    """A model saved again (fine-tuning) keeps a folder that loads the same way: both files, auto_map, the new
+    vocabulary in model_args."""
+    from hybridtitan.hf.configuration import AUTO_MAP, REMOTE_CODE
+
+    hf, _ = load(exports["debug_mamba2"])
+    x = tokens((1, 12))
+    with torch.no_grad():
+        before = hf(x).logits
+    hf.resize_token_embeddings(8200)
+    hf.save_pretrained(tmp_path / "resized")
+    config = json.loads((tmp_path / "resized" / "config.json").read_text())
+    assert config["auto_map"] == AUTO_MAP and config["model_args"]["vocab_size"] == config["vocab_size"] == 8200
+    assert sorted(p.name for p in (tmp_path / "resized").glob("*.py")) == sorted(REMOTE_CODE)
+    again, _ = load(tmp_path / "resized")
+    assert again.get_input_embeddings().weight.shape[0] == 8200
+    with torch.no_grad():
+        torch.testing.assert_close(again(x).logits[..., :before.shape[-1]], before, atol=1e-5, rtol=0)
+
+
+def test_activation_checkpointing(exports):
+    hf, _ = load(exports["debug_hybrid"])
+    hf.train()
+    x = tokens((2, 16))
+
+    def loss_and_grads():
+        hf.zero_grad()
+        loss = hf(x, labels=x).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in hf.named_parameters()}
+
+    plain_loss, plain = loss_and_grads()
+    enable = getattr(hf, "activation_checkpointing_enable", None) or hf.gradient_checkpointing_enable
+    disable = getattr(hf, "activation_checkpointing_disable", None) or hf.gradient_checkpointing_disable
+    enable()
+    # transformers 5.24 renamed is_gradient_checkpointing (a deprecated alias now)
+    is_on = getattr(type(hf), "is_activation_checkpointing", None) or type(hf).is_gradient_checkpointing
+    assert is_on.fget(hf) and all(hf.model.checkpointed)
+    calls = []
+    hooks = [layer.register_forward_pre_hook(lambda *a: calls.append(1)) for layer in hf.model.layers]
+    loss, grads = loss_and_grads()
+    assert len(calls) == 2 * len(hf.model.layers)  # each sublayer ran again in the backward pass
+    for h in hooks:
+        h.remove()
+    torch.testing.assert_close(loss, plain_loss, atol=1e-6, rtol=1e-6)
+    for n in plain:
+        torch.testing.assert_close(grads[n], plain[n], atol=1e-6, rtol=1e-5)
+    with torch.no_grad():
+        cache = cache_of(hf(x[:, :8], use_cache=True))
+    with pytest.raises(ValueError, match="activation checkpointing"):
+        hf(x[:, 8:], past_key_values=cache)
+    disable()
+    assert not is_on.fget(hf) and not any(hf.model.checkpointed)
+
+
+def test_fresh_init_and_bfloat16(exports, trained):
+    from hybridtitan.hf import HybridTitanForCausalLM
+
+    folder = exports["debug_kda"]
+    mod = remote_module(folder)
+    fresh = mod.HybridTitanForCausalLM(mod.HybridTitanConfig.from_pretrained(str(folder))).eval()
+    assert all(torch.isfinite(p).all() for p in fresh.parameters())
+    assert bool((fresh.model.layers[0].mixer.A_log.exp() >= 1).all())  # the mixer's own init ran
+    x = tokens((1, 40))
+    with torch.no_grad():
+        assert torch.isfinite(fresh(x).logits).all()
+        # bf16: no further from float32 than hybridtitan's own class in bf16 (both round, in other orders)
+        exact = ours(trained["debug_kda"])(x)
+        ours_bf16 = load(folder, dtype=torch.bfloat16)[0](x).logits
+        theirs = HybridTitanForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).eval()(x).logits
+    assert (ours_bf16 - exact).abs().max() <= 2 * (theirs - exact).abs().max() + 1e-3
+
+
+# ------------------------------------------------------------------------------------------ a fresh environment
+
+CHILD = r"""
+import importlib.util, json, sys
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+out = sys.argv[1]
+results = {"importable": {m: importlib.util.find_spec(m) is not None for m in ("hybridtitan", "fla")}}
+tensors = {}
+for name, folder in json.loads(sys.argv[2]).items():
+    tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    x = torch.load(f"{out}/inputs.pt")
+    with torch.no_grad():
+        tensors[name + ".logits"] = model(x["logits"]).logits
+    tensors[name + ".generated"] = model.generate(x["prompt"], max_new_tokens=12, do_sample=False, use_cache=True)
+    ids = tok("hello world")["input_ids"]
+    results[name] = {"class": type(model).__module__ + "." + type(model).__name__, "dtype": str(model.dtype),
+                     "tokens": ids, "text": tok.decode(ids)}
+torch.save(tensors, f"{out}/tensors.pt")
+with open(f"{out}/results.json", "w") as f:
+    json.dump(results, f)
+"""
+
+
+def _make_venv(path: Path) -> Path:
+    """python -m venv, then torch (this machine's CPU wheel) and transformers + safetensors at the versions of
+    constraints-cpu.txt. Nothing of the repository's."""
+    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, timeout=300)
+    python = path / "bin" / "python"
+    for args in (["torch==2.13.0"], ["-c", str(REPO / "constraints-cpu.txt"), "transformers", "safetensors"]):
+        proc = subprocess.run([str(python), "-m", "pip", "install", "-q", *args], capture_output=True, text=True,
+                              timeout=900, cwd=path)
+        assert proc.returncode == 0, f"pip install {' '.join(args)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
+    return python
+
+
+@pytest.fixture(scope="module")
+def standalone_python(tmp_path_factory) -> Path:
+    given = os.environ.get("HYBRIDTITAN_STANDALONE_PYTHON")
+    return Path(given) if given else _make_venv(tmp_path_factory.mktemp("standalone_venv") / "venv")
+
+
+def test_loads_in_fresh_environment_with_transformers_alone(standalone_python, trained, exports, tmp_path):
+    flavors = ("debug_hybrid", "debug_mamba2")
+    inputs = {"logits": tokens((2, 80)), "prompt": tokens((1, 9), seed=1)}
+    torch.save(inputs, tmp_path / "inputs.pt")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), OMP_NUM_THREADS="1")
+    env["PATH"] = f"{standalone_python.parent}{os.pathsep}{env.get('PATH', '')}"
+    proc = subprocess.run(
+        [str(standalone_python), "-c", CHILD, str(tmp_path), json.dumps({f: str(exports[f]) for f in flavors})],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)  # cwd: not the repository
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    tensors = torch.load(tmp_path / "tensors.pt")
+    assert results["importable"] == {"hybridtitan": False, "fla": False}
+
+    from transformers import AutoTokenizer
+
+    for flavor in flavors:
+        got = results[flavor]
+        # transformers' module cache of the folder's code, not a class of hybridtitan's
+        assert got["class"].startswith("transformers_modules.") and got["class"].endswith(
+            "modeling_hybridtitan.HybridTitanForCausalLM"), got["class"]
+        assert got["dtype"] == "torch.float32"
+        tok = AutoTokenizer.from_pretrained(str(exports[flavor]))
+        assert got["tokens"] == tok("hello world")["input_ids"] and got["text"] == tok.decode(got["tokens"])
+        ref = ours(trained[flavor])
+        with torch.no_grad():
+            expected = ref(inputs["logits"])
+        torch.testing.assert_close(tensors[f"{flavor}.logits"], expected, atol=1e-5, rtol=0)
+        assert torch.equal(tensors[f"{flavor}.generated"], reference_greedy(ref, inputs["prompt"], 12))
