@@ -1,9 +1,9 @@
-"""``--help`` for the trainer and ``describe``: the keys hybridtitan reads, with their defaults and meaning.
+"""The keys hybridtitan reads, with their defaults and meaning: ``--help`` for the trainer and ``describe``, and
+docs/config-reference.md (``python -m hybridtitan.describe --config-reference``).
 
-tyro's help for torchtitan's JobConfig with hybridtitan's sections merged in runs to ~1,000 lines, most of them
-torchtitan options that hybridtitan refuses, and it loses the descriptions of the merged-in keys. This help
-lists only the supported keys; each description is the docstring (or trailing comment) of the field in the
-dataclass that defines it, or the text below where hybridtitan's behaviour differs from torchtitan's.
+torchtitan's JobConfig has some 200 keys, most of them options that hybridtitan refuses; these pages list only
+the supported keys. Each description is the docstring (or trailing comment) of the field in the dataclass that
+defines it, or the text below where hybridtitan's behaviour differs from torchtitan's.
 """
 
 import ast
@@ -41,6 +41,10 @@ OVERRIDES = {
                                "dump_folder/metrics.jsonl, TensorBoard)"),
     "metrics.enable_wandb": (None, "Also log to Weights & Biases (pip install wandb)"),
     "model.name": (None, "Model family (only 'hybrid')"),
+    "comm.init_timeout_seconds": (None, "Seconds a collective may wait before the run fails, until the first step "
+                                        "is done (start-up, compilation, autotuning)"),
+    "comm.train_timeout_seconds": (None, "Seconds a collective may wait after the first step: a rank that stops "
+                                         "answering (a hang) ends every rank within it, with one error line"),
     "debug.seed": (None, "Base seed of the initial weights, the data order and the RNGs (None: 42)"),
 }
 
@@ -153,5 +157,23 @@ def help_text(usage: str, job_config_cls, titan_cls, extension_cls, supported: d
             for paragraph in doc.splitlines():
                 out += textwrap.wrap(paragraph, 112, initial_indent="      ", subsequent_indent="        "
                                      if paragraph.startswith("- ") else "      ")
+        out.append("")
+    return "\n".join(out)
+
+
+def reference_markdown(job_config_cls, titan_cls, extension_cls, supported: dict[str, set[str]]) -> str:
+    """docs/config-reference.md: every key hybridtitan reads, a table per section, from the same entries as
+    ``help_text`` (so the page cannot drift from the code: a test compares it with this)."""
+    out = ["# Configuration reference", "",
+           "Every key hybridtitan reads, with its default and meaning: a recipe's `[section]` sets it, the command "
+           "line overrides it as `--section.key value` (booleans also `--section.flag` / `--section.no_flag`; lists "
+           "comma-separated). torchtitan's other keys are refused when set. Generated from the configuration's "
+           "dataclasses by `python -m hybridtitan.describe --config-reference`; a test keeps it current.", ""]
+    for section, rows in _entries(job_config_cls, titan_cls, extension_cls, supported):
+        out += [f"## [{section}]", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        for key, type_text, default, doc in rows:
+            shown = "the flavor's" if default == "the flavor's" else f"`{default!r}`"
+            cells = [f"`{key}`", type_text, shown, doc.replace("\n", " ")]
+            out.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
         out.append("")
     return "\n".join(out)

@@ -1,23 +1,20 @@
-"""The job configuration: torchtitan 0.2.2's JobConfig with hybridtitan's sections merged in.
+"""The job configuration: torchtitan 0.2.2's JobConfig sections with hybridtitan's keys merged in.
 
-One source of truth: a TOML recipe, any key overridable on the command line as ``--section.key value``
-(torchtitan's ConfigManager does the merging). torchtitan leaves value types unchecked and answers an unknown
-command-line key with a page of help, so everything is validated here first, and every problem becomes one
+One source of truth: a TOML recipe, any key overridable on the command line as ``--section.key value`` (booleans
+also as ``--section.flag`` / ``--section.no_flag``, lists comma-separated). The recipe and the command line are
+read here, into the dataclasses, each value checked against its field's type, and every problem is one
 ``ConfigError`` line naming the key. torchtitan keys for features hybridtitan does not implement (tensor,
 pipeline, context parallelism, float8, ...) are refused when set, rather than silently ignored.
 
-(No ``from __future__ import annotations`` here: the dataclass field types must stay real types, tyro and the
-type checks below read them.)
+(No ``from __future__ import annotations`` here: the dataclass field types must stay real types, the type checks
+below read them.)
 """
 
-import contextlib
 import dataclasses
 import difflib
 import importlib.util
-import io
 import math
 import os
-import re
 import sys
 import types
 import typing
@@ -29,10 +26,9 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from torchtitan.config import ConfigManager
 from torchtitan.config import JobConfig as TitanJobConfig
 
-from hybridtitan.cli_help import OVERRIDES, help_text
+from hybridtitan.cli_help import OVERRIDES, help_text, reference_markdown
 from hybridtitan.data.config import Data, validate_data_config
 from hybridtitan.models import GDNArgs, KDAArgs, Mamba2Args, MLAArgs, ModelArgs, get_flavor
 from hybridtitan.models.pattern import pattern_from_ratio
@@ -129,15 +125,86 @@ class Checkpoint:
     checkpoint is a full one, like every other"""
 
 
+def _held_out() -> Data:
+    return Data(path="", shuffle=False)
+
+
+@dataclass
+class Validation:
+    enable: bool = False
+    """Compute the loss on a held-out set every validation.freq steps and at the end (console, metrics.jsonl,
+    TensorBoard, W&B); it changes nothing of the training"""
+
+    freq: int = 500
+    """Steps between validations"""
+
+    steps: int = -1
+    """Batches per rank in each validation (the same batches every time); -1: one pass over the set"""
+
+    local_batch_size: int | None = None
+    """Sequences per rank in a validation batch (None: training.local_batch_size)"""
+
+    seq_len: int | None = None
+    """Tokens per validation sequence (None: training.seq_len)"""
+
+    data: Data = field(default_factory=_held_out)
+    """The held-out set: any data source, as [data] (its tokenizer is the training data's; never shuffled)"""
+
+
+@dataclass
+class Eval:
+    tasks: list[str] = field(default_factory=list)
+    """lm-eval tasks (names, or paths of local task YAMLs) evaluated on the live model during training, by all
+    ranks, each on its share of the requests; results logged as eval/<task>/<metric>. Empty: none"""
+
+    every_checkpoints: int = 1
+    """Evaluate after every N-th checkpoint saved, and at the end"""
+
+    include_path: str = ""
+    """A folder of extra task YAMLs (as lm-eval's --include_path)"""
+
+    limit: float | None = None
+    """Examples per task (a fraction if below 1; None: all)"""
+
+    num_fewshot: int | None = None
+    """Few-shot examples per request (None: the task's default)"""
+
+    batch_size: int = 8
+    """Requests per forward pass"""
+
+
 @dataclass
 class _Extension:
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     data: Data = field(default_factory=Data)
+    validation: Validation = field(default_factory=Validation)
+    eval: Eval = field(default_factory=Eval)
 
 
-JobConfig = ConfigManager._merge_configs(TitanJobConfig, _Extension)
+def merge_sections(base, extension, name: str = "JobConfig"):
+    """A dataclass with ``base``'s fields, where ``extension`` has a field of the same name and both are
+    dataclasses the two merged (recursively), and ``extension``'s other fields added."""
+    base_fields = {f.name: f for f in fields(base)}
+    ext_fields = {f.name: f for f in fields(extension)}
+    hints = {**typing.get_type_hints(base), **typing.get_type_hints(extension)}
+    merged = []
+    for fname in [*base_fields, *(n for n in ext_fields if n not in base_fields)]:
+        tp = hints[fname]
+        if fname in base_fields and fname in ext_fields and is_dataclass(typing.get_type_hints(base)[fname]) \
+                and is_dataclass(tp):
+            tp = merge_sections(typing.get_type_hints(base)[fname], tp, tp.__name__)
+            merged.append((fname, tp, field(default_factory=tp)))
+        else:
+            f = ext_fields.get(fname) or base_fields[fname]
+            default = {"default": f.default} if f.default is not dataclasses.MISSING else {
+                "default_factory": f.default_factory}
+            merged.append((fname, tp, field(**default)))
+    return dataclasses.make_dataclass(name, merged)
+
+
+JobConfig = merge_sections(TitanJobConfig, _Extension)
 
 # torchtitan keys hybridtitan reads; every other torchtitan key must keep its default value.
 SUPPORTED_TITAN_KEYS = {
@@ -154,8 +221,9 @@ SUPPORTED_TITAN_KEYS = {
                    "load_step", "async_mode", "exclude_from_loading", "enable_first_step_checkpoint"},
     "activation_checkpoint": {"mode", "selective_ac_option"},
     "compile": {"enable", "components"},
-    "comm": {"init_timeout_seconds"},
+    "comm": {"init_timeout_seconds", "train_timeout_seconds"},
     "debug": {"seed", "deterministic"},
+    "validation": set(),  # hybridtitan's own keys (Validation), torchtitan's names where they exist
 }
 
 
@@ -245,58 +313,6 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def _check_cli(args: list[str]) -> None:
-    """Unknown command-line keys get one line instead of tyro's help page."""
-    known = _all_keys(JobConfig)
-    for i, arg in enumerate(args):
-        option = args[i - 1] if i and args[i - 1].startswith("--") and "=" not in args[i - 1] else None
-        if option and arg.startswith("-") and "." not in arg and arg not in ("-h", "--help") and not _is_number(arg):
-            # a value that begins with '-' (a pattern such as "-M-*") reads as an option
-            raise ConfigError(f"{option}: a value that begins with '-' reads as an option; give it as {option}={arg}")
-        if not arg.startswith("--"):
-            continue
-        key = arg[2:].split("=", 1)[0].replace("-", "_")
-        if key.startswith("no_"):  # tyro's --section.no_flag form
-            key = key[3:]
-        key = key.replace(".no_", ".")
-        if key not in known:
-            hint = difflib.get_close_matches(key, list(known), n=1)
-            raise ConfigError(f"unknown option --{key}" + (f" (did you mean --{hint[0]}?)" if hint else ""))
-
-
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
-
-
-def _normalize_bools(args: list[str]) -> list[str]:
-    """``--section.flag true|false`` (and ``=false``) into the flag forms tyro expects, so that every key is
-    overridable as ``--section.key value``; the bare ``--section.flag`` / ``--section.no_flag`` work as well."""
-    kinds = _all_keys(JobConfig)
-    out, i = [], 0
-    while i < len(args):
-        arg = args[i]
-        key, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
-        key = key.replace("-", "_")
-        tp = kinds.get(key)
-        if tp in (bool, bool | None):
-            # the CLI has no positional arguments: a word after a flag is its value, right or wrong
-            if not eq and i + 1 < len(args) and not args[i + 1].startswith("--"):
-                value, eq, i = args[i + 1], "=", i + 1
-            if eq:
-                v = value.lower()
-                if v not in _TRUE + _FALSE + (("none",) if tp is not bool else ()):
-                    raise ConfigError(f"--{key} must be true or false, got {value!r}")
-                if tp is bool:
-                    section, name = key.rsplit(".", 1)
-                    out.append(f"--{key}" if v in _TRUE else f"--{section}.no_{name}")
-                else:
-                    out += [f"--{key}", "None" if v == "none" else str(v in _TRUE)]
-                i += 1
-                continue
-        out.append(arg)
-        i += 1
-    return out
-
-
 def _load_toml(args: list[str]) -> dict | None:
     path = None
     for i, arg in enumerate(args):
@@ -330,70 +346,123 @@ def parse_config(args: list[str] | None = None, check_data: bool = True, usage: 
         print(help_text(usage, JobConfig, TitanJobConfig, _Extension, SUPPORTED_TITAN_KEYS))
         raise SystemExit(0)
     toml = _load_toml(args)
+    overrides = parse_overrides(args)  # checked before the recipe's values are applied: all mistakes say the same
+    cfg = JobConfig()
     if toml is not None:
         _check_toml(toml, JobConfig)
         if toml.get("job", {}).get("custom_config_module"):
             raise ConfigError("job.custom_config_module is not used: hybridtitan's sections are built in")
-    _check_cli(args)
-    args = _normalize_bools(args)
-    manager = _Manager(JobConfig)
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
-            cfg = manager.parse_args(args)
-    except SystemExit as e:
-        if e.code in (0, None):
-            raise
-        raise ConfigError(_tyro_error_line(captured.getvalue())) from None
-    except (ValueError, TypeError) as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
+        _apply_toml(cfg, toml)
+    for key, value in overrides:
+        *sections, name = key.split(".")
+        target = cfg
+        for section in sections:
+            target = getattr(target, section)
+        setattr(target, name, value)
     validate(cfg, check_data=check_data)
     return cfg
 
 
-class _Manager(ConfigManager):
-    """torchtitan's ConfigManager without its own checks, which concern torchtitan's models (a tokenizer at
-    model.hf_assets_path): validate() below checks what hybridtitan uses."""
-
-    def _validate_config(self) -> None:
-        pass
+def config_reference() -> str:
+    """The Markdown reference of every key (docs/config-reference.md)."""
+    return reference_markdown(JobConfig, TitanJobConfig, _Extension, SUPPORTED_TITAN_KEYS)
 
 
-def _tyro_error_line(text: str) -> str:
-    """tyro prints a boxed error; keep its informative lines as one."""
-    lines = []
-    for raw in text.splitlines():
-        line = raw.strip(" │╭╮╰╯─━┃┏┓┗┛-\u2502\u256d\u256e\u2570\u256f\u2500")
-        if line and "--help" not in line and not line.startswith("For full helptext") and line not in (
-                "Value error", "Invalid choice", "Unrecognized options", "Parsing error"):
-            lines.append(line)
-    if not lines:
-        return "bad command-line arguments"
-    text = " ".join(lines[:3]).split(" Argument helptext:")[0]
-    # tyro spells keys with dashes (--lr-scheduler.decay-type): give them back as the user wrote them
-    text = re.sub(r"--[a-z0-9_-]+(?:\.[a-z0-9_-]+)+", lambda m: m.group(0)[:2] + m.group(0)[2:].replace("-", "_"),
-                  text)
-    # tyro's wording for the common mistakes, in the words of the boolean check (_normalize_bools)
-    choice = re.search(r"invalid choice '(.*)' for argument '(--[a-z0-9_.]+)'", text)
-    if choice:
-        allowed = OVERRIDES.get(choice.group(2)[2:], (None,))[0]  # where hybridtitan accepts fewer than tyro lists
-        if allowed:
-            return f"{choice.group(2)} must be {allowed}, got '{choice.group(1)}'"
-    missing = re.search(r"Missing value for argument '(--[a-z0-9_.]+)'", text)
-    if missing:
-        return f"{missing.group(1)} needs a value"
-    unparsed = re.search(r"Error parsing (--[a-z0-9_.]+): (invalid literal for int\(\)|could not convert string to "
-                         r"float).*?: (['\"].*['\"])", text)
-    if unparsed:
-        kind = "an integer" if unparsed.group(2).startswith("invalid literal") else "a number"
-        return f"{unparsed.group(1)} must be {kind}, got {unparsed.group(3)}"
-    # the same for a key that may also be unset (int | None, float | None)
-    optional = re.search(r"Error parsing (--[a-z0-9_.]+): no type matching \{None\}\|(INT|FLOAT) could be "
-                         r"instantiated from \[(.*)\]", text)
-    if optional:
-        kind = "an integer" if optional.group(2) == "INT" else "a number"
-        return f"{optional.group(1)} must be {kind} (or None), got {optional.group(3)}"
-    return "bad command-line value: " + text
+def _apply_toml(target, data: dict) -> None:
+    for key, value in data.items():
+        if isinstance(value, dict) and is_dataclass(getattr(target, key)):
+            _apply_toml(getattr(target, key), value)
+        else:
+            setattr(target, key, value)
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def known_keys() -> dict[str, Any]:
+    """Every key the command line takes ("section.name", "model.gdn.num_heads"), with its type."""
+    return _all_keys(JobConfig)
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """The command line's (key, typed value) pairs, in order. Every key is ``--section.key``: with its value after
+    it or after '=', a boolean also alone (true) or as ``--section.no_key`` (false), a list comma-separated; dashes
+    in names read as underscores."""
+    known = known_keys()
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if not arg.startswith("--"):
+            raise ConfigError(f"bad command-line value: Unrecognized options: {arg}")
+        name, eq, value = arg[2:].partition("=")
+        key = name.replace("-", "_")
+        negated = False
+        if key not in known:
+            plain = key[3:] if key.startswith("no_") else key.replace(".no_", ".", 1)
+            if plain != key and known.get(plain) in (bool, bool | None):
+                key, negated = plain, True
+            else:
+                hint = difflib.get_close_matches(key, list(known), n=1)
+                raise ConfigError(f"unknown option --{key}" + (f" (did you mean --{hint[0]}?)" if hint else ""))
+        tp = known[key]
+        if negated:
+            out.append((key, False))
+            continue
+        if not eq:
+            follows = i < len(args) and not args[i].startswith("--")
+            if follows and args[i].startswith("-") and "." not in args[i] and not _is_number(args[i]):
+                # a value that begins with '-' (a pattern such as "-M-*") reads as an option
+                raise ConfigError(f"--{key}: a value that begins with '-' reads as an option; give it as "
+                                  f"--{key}={args[i]}")
+            if tp in (bool, bool | None) and not follows:
+                out.append((key, True))
+                continue
+            if not follows:
+                raise ConfigError(f"--{key} needs a value" if key != "job.config_file" else
+                                  "--job.config_file needs a path")
+            value, i = args[i], i + 1
+        out.append((key, _typed(key, value, tp)))
+    return out
+
+
+def _typed(key: str, text: str, tp: Any) -> Any:
+    """``text`` as a value of ``tp``; ConfigError in the user's words."""
+    union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    optional = union and type(None) in typing.get_args(tp)
+    inner = [t for t in typing.get_args(tp) if t is not type(None)] if union else [tp]
+    if optional and text.lower() == "none":
+        return None
+    or_none = " (or None)" if optional else ""
+    kind = inner[0] if len(inner) == 1 else float  # float | int: a number
+    if kind is bool:
+        if text.lower() not in _TRUE + _FALSE:
+            raise ConfigError(f"--{key} must be true or false, got {text!r}")
+        return text.lower() in _TRUE
+    if kind is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"--{key} must be an integer{or_none}, got {text!r}") from None
+    if kind is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"--{key} must be a number{or_none}, got {text!r}") from None
+    if typing.get_origin(kind) is Literal:
+        choices = typing.get_args(kind)
+        if text not in choices:
+            allowed = OVERRIDES.get(key, (None,))[0]  # where hybridtitan accepts fewer than the type admits
+            if allowed:
+                raise ConfigError(f"--{key} must be {allowed}, got {text!r}")
+            raise ConfigError(f"bad command-line value: invalid choice {text!r} for argument '--{key}'. Expected one "
+                              f"of {choices}.")
+        return text
+    if typing.get_origin(kind) is list:
+        (item,) = typing.get_args(kind) or (str,)
+        items = [t for t in text.split(",") if t]
+        return [items] if typing.get_origin(item) is list else items
+    return text
 
 
 # ----------------------------------------------------------------------------------------------- validation
@@ -411,7 +480,7 @@ def validate(cfg, check_data: bool = True) -> None:
             if getattr(getattr(cfg, section), f.name) != getattr(getattr(defaults, section), f.name):
                 raise ConfigError(f"{section}.{f.name} is a torchtitan option that hybridtitan does not support; "
                                   "remove it from the recipe")
-    for section in ("quantize", "memory_estimation", "fault_tolerance", "experimental", "validation"):
+    for section in ("quantize", "memory_estimation", "fault_tolerance", "experimental"):
         if getattr(cfg, section) != getattr(defaults, section):
             raise ConfigError(f"[{section}] is a torchtitan section that hybridtitan does not support; remove it")
 
@@ -448,11 +517,33 @@ def validate(cfg, check_data: bool = True) -> None:
     if cfg.activation_checkpoint.mode == "selective" and not (option.isdigit() and int(option) >= 1):
         raise ConfigError("activation_checkpoint.selective_ac_option must be an integer N >= 1 (checkpoint every "
                           f"N-th sublayer), got {option!r}")
+    v = cfg.validation
+    for key, value, ok, wanted in (
+            ("validation.freq", v.freq, v.freq >= 1, "1 or more"),
+            ("validation.steps", v.steps, v.steps == -1 or v.steps >= 1, "1 or more (or -1: one pass)"),
+            ("validation.local_batch_size", v.local_batch_size, v.local_batch_size is None or v.local_batch_size >= 1,
+             "1 or more (or unset)"),
+            ("validation.seq_len", v.seq_len, v.seq_len is None or v.seq_len >= 1, "1 or more (or unset)"),
+            ("eval.every_checkpoints", cfg.eval.every_checkpoints, cfg.eval.every_checkpoints >= 1, "1 or more"),
+            ("eval.batch_size", cfg.eval.batch_size, cfg.eval.batch_size >= 1, "1 or more"),
+            ("eval.limit", cfg.eval.limit, cfg.eval.limit is None or cfg.eval.limit > 0, "positive (or unset)")):
+        if not ok:
+            raise ConfigError(f"{key} must be {wanted}, got {value}")
     if cfg.model.name != "hybrid":
         raise ConfigError(f"model.name must be 'hybrid', got {cfg.model.name!r}")
     try:
         if check_data:
             validate_data_config(cfg.data)
+            if v.enable:
+                if v.data.source == "mock" and v.steps == -1:
+                    raise ConfigError("validation.steps: mock data has no end; give a number of batches")
+                if v.data.source != "mock" and not v.data.path:
+                    raise ConfigError("validation.data.path: validation.enable needs a held-out set (a path, as "
+                                      "data.path; scripts/prepare_data.py --validation writes one)")
+                try:
+                    validate_data_config(held_out_data(cfg))
+                except ValueError as e:
+                    raise ConfigError(f"validation.{e}") from None
         model_args(cfg)
     except ConfigError:
         raise
@@ -538,6 +629,11 @@ def _refuse_default_sizes(m, base: ModelArgs, args: ModelArgs) -> None:
             raise ConfigError(f"model.flavor {m.flavor!r} has no {what}, so model.{section}.* would be the "
                               f"defaults, the 300M flavors' sizes for dim {DEFAULT_SIZES_DIM}, at dim {args.dim}: "
                               f"give them (e.g. --model.{section}.num_heads), or start from a flavor with {what}")
+
+
+def held_out_data(cfg) -> Data:
+    """The validation set's [data], with the training data's tokenizer."""
+    return dataclasses.replace(cfg.validation.data, tokenizer=cfg.data.tokenizer)
 
 
 def selective_ac_interval(cfg) -> int:

@@ -2,6 +2,7 @@
 
     python -m hybridtitan.describe --job.config_file train_configs/X.toml [--model.flavor F] [--json]
     python -m hybridtitan.describe --list
+    python -m hybridtitan.describe --config-reference      # docs/config-reference.md: every key, its default
 
 Prints the layer plan, parameters (total and non-embedding), training FLOPs per token counted per sublayer,
 and a memory estimate per device for the configured batch. ``--json`` prints one JSON object instead.
@@ -12,7 +13,14 @@ from __future__ import annotations
 import json
 import sys
 
-from hybridtitan.config import ConfigError, compiles, model_args, parse_config, selective_ac_interval
+from hybridtitan.config import (
+    ConfigError,
+    compiles,
+    config_reference,
+    model_args,
+    parse_config,
+    selective_ac_interval,
+)
 from hybridtitan.models import FLAVORS
 from hybridtitan.models.flops import flops_per_token, param_counts, sublayer_flops, sublayer_params
 from hybridtitan.parallel import reshard_after_forward_for
@@ -112,6 +120,7 @@ def _print_table(d: dict) -> None:
 
 USAGE = """usage: python -m hybridtitan.describe --job.config_file RECIPE.toml [--section.key VALUE ...] [--json]
        python -m hybridtitan.describe --list
+       python -m hybridtitan.describe --config-reference
 
 What a recipe builds, without building it: the layer plan, parameters, FLOPs per token per sublayer and a
 memory estimate per device. --json prints it as one JSON object; --list lists the flavors. The recipe's keys
@@ -123,6 +132,9 @@ def main(argv: list[str] | None = None) -> None:
     if not argv:  # nothing given: the defaults alone are no recipe anyone trains
         print(USAGE.split("\n\n")[0] + "\nerror: give a recipe (train_configs/*.toml) or --list", file=sys.stderr)
         sys.exit(2)
+    if "--config-reference" in argv:  # docs/config-reference.md
+        print(config_reference())
+        return
     if "--list" in argv:
         for name, a in FLAVORS.items():
             print(f"{name:<20} {a.mixer:<7} {a.pattern}")

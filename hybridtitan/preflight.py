@@ -24,8 +24,8 @@ from hybridtitan.checkpoint import (
     read_job_config,
     resolve_checkpoint,
 )
-from hybridtitan.config import ConfigError, model_args
-from hybridtitan.data import build_dataloader, build_tokenizer
+from hybridtitan.config import ConfigError, held_out_data, model_args
+from hybridtitan.data import HeldOut, build_dataloader, build_tokenizer
 from hybridtitan.errors import first_error_line
 from hybridtitan.models import ModelArgs
 from hybridtitan.parallel import DataParallel, resolve_data_parallel
@@ -59,6 +59,7 @@ class Plan:
     dataloader: Any
     seed: int
     start: StartPoint | None
+    held_out: HeldOut | None  # the validation set, where validation.enable
 
 
 def preflight(cfg) -> Plan:
@@ -89,13 +90,21 @@ def preflight(cfg) -> Plan:
             cfg.data, tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
             dp_rank=int(os.environ.get("RANK", "0")), dp_world_size=dp.size, seed=seed, vocab_size=args.vocab_size,
             eod_mask_loss=t.eod_mask_loss)
+        held_out = None
+        if cfg.validation.enable:
+            v = cfg.validation
+            held_out = HeldOut(held_out_data(cfg), tokenizer, seq_len=v.seq_len or t.seq_len,
+                               local_batch_size=v.local_batch_size or t.local_batch_size,
+                               dp_rank=int(os.environ.get("RANK", "0")), dp_world_size=dp.size,
+                               vocab_size=args.vocab_size, eod_mask_loss=t.eod_mask_loss)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     start = choose_start(cfg)
     if start is not None:
         check_start(cfg, start, args)
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    return Plan(device, world_size, dp, global_batch // per_step, args, tokenizer, dataloader, seed, start)
+    return Plan(device, world_size, dp, global_batch // per_step, args, tokenizer, dataloader, seed, start,
+                held_out)
 
 
 def choose_start(cfg) -> StartPoint | None:

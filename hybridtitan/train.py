@@ -298,6 +298,8 @@ class Trainer:
             for step in range(self.state.step + 1, t.steps + 1):
                 self.state.step = step
                 result = self.train_step()
+                if step == self.start_step + 1:  # start-up is over: a collective now waits train_timeout_seconds
+                    set_collective_timeout(self.cfg.comm.train_timeout_seconds)
                 self.window.add(result)
                 if prof is not None:
                     prof.step()
@@ -445,6 +447,12 @@ def init_distributed(device: torch.device, timeout_seconds: int) -> None:
     dist.init_process_group(**kwargs)
 
 
+def set_collective_timeout(seconds: int) -> None:
+    """The time any collective of the default group may wait from now on (torch's own setter, as torchtitan's
+    trainer uses it). A rank that stops answering then ends the others within it: the scheduler can requeue."""
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), None)
+
+
 def _quiet_known_warnings() -> None:
     """Warnings of dependencies that say nothing about this run."""
     for message in ("DTensor random operators may not have complete support",  # no random op on DTensors here
@@ -475,17 +483,21 @@ def main(argv: list[str] | None = None) -> None:
             print(f"error: {e}", file=sys.stderr)
         dist.destroy_process_group()
         sys.exit(2)
-    finished, data_error = False, None
+    finished, error, code = False, None, 0
     try:
         trainer.train()
         finished = True
     except DataError as e:  # bad data is bad input: one line (from each rank that met it), not a traceback
-        data_error = first_error_line(e)
+        error, code = first_error_line(e), 2
+    except dist.DistBackendError as e:  # a collective that failed or timed out: another rank died or hangs
+        error, code = (f"rank {trainer.rank}: a collective failed at step {trainer.state.step} (another rank stopped "
+                       f"or stopped answering; the last complete checkpoint is intact): {first_error_line(e)}"), 1
     finally:
-        trainer.close(finished)
-    if data_error is not None:
-        print(f"error: {data_error}", file=sys.stderr)
-        sys.exit(2)
+        if code != 1:  # a broken group cannot be closed in order
+            trainer.close(finished)
+    if error is not None:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(code)
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,6 @@
 """The `[data]` section of a recipe, and its validation (one clear line per mistake, naming the field).
 
-(No `from __future__ import annotations`: the field types must stay real types for tyro and the recipe checks.)"""
+(No `from __future__ import annotations`: the field types must stay real types for the recipe checks.)"""
 
 import glob
 import os

@@ -25,6 +25,7 @@ A warning says so. `data.num_workers` must not change (StatefulDataLoader keeps 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import signal
 import sys
@@ -143,6 +144,34 @@ def build_dataloader(cfg: Data, tokenizer, *, seq_len: int, local_batch_size: in
     return StatefulDataLoader(dataset, batch_size=local_batch_size, collate_fn=collate,
                               num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available(),
                               worker_init_fn=_own_process_group if cfg.num_workers else None)
+
+
+class HeldOut:
+    """One rank's shard of a held-out set (validation) as batches: packed as the training data is, never
+    shuffled, and read from its start on every pass, so each validation sees the same batches."""
+
+    def __init__(self, cfg: Data, tokenizer, *, seq_len: int, local_batch_size: int, dp_rank: int,
+                 dp_world_size: int, vocab_size: int, eod_mask_loss: bool = False):
+        validate_data_config(cfg)
+        self.cfg = dataclasses.replace(cfg, shuffle=False)
+        self.tokenizer, self.seq_len, self.local_batch_size = tokenizer, seq_len, local_batch_size
+        self.dp_rank, self.dp_world_size, self.vocab_size = dp_rank, dp_world_size, vocab_size
+        self.eos = eos_id(tokenizer) if tokenizer is not None else 0
+        self.collate = Collate(self.eos, cfg.document_boundaries, vocab_size, eod_mask_loss)
+        self._documents()  # a bad path or split fails now, not at the first validation
+
+    def _documents(self):
+        return build_documents(self.cfg, self.tokenizer, shard=self.dp_rank, num_shards=self.dp_world_size, seed=0,
+                               eos=self.eos, vocab_size=self.vocab_size, max_doc_len=2 * self.seq_len)
+
+    def batches(self):
+        """(batch, whether this rank's shard ended with it), forever; the shard starts over after its end."""
+        documents = self._documents()
+        packer = Packer(documents, self.seq_len, self.eos)
+        while True:
+            windows = [torch.from_numpy(packer.next_window()) for _ in range(self.local_batch_size)]
+            batch = self.collate([{"input_ids": w[:-1], "labels": w[1:]} for w in windows])
+            yield batch, documents.epoch > 0
 
 
 def _own_process_group(worker_id: int) -> None:
