@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import os
 import time
 
@@ -117,6 +118,16 @@ class MetricsLogger:
             self._write(record)
         return record
 
+    def log_validation(self, step: int, *, loss: float, tokens: int) -> dict:
+        """The held-out set's mean loss at ``step`` (and its perplexity, exp(loss)), over ``tokens`` tokens."""
+        record = {"step": step, "validation/loss": loss, "validation/perplexity": math.exp(min(loss, 80.0)),
+                  "validation/tokens": tokens}
+        if self.rank == 0:
+            logger.info(f"validation at step {step}: loss {loss:.4f} | perplexity {record['validation/perplexity']:.2f} "
+                        f"| {tokens:,} tokens")
+            self._record(record)
+        return record
+
     def _write(self, r: dict) -> None:
         parts = [f"step {r['step']:>{len(str(self.total_steps))}}/{self.total_steps}", f"loss {r['loss']:.4f}",
                  f"grad_norm {r['grad_norm']:.3f}", f"lr {r['lr']:.2e}",
@@ -130,6 +141,10 @@ class MetricsLogger:
         if r["skipped_steps"]:
             parts.append(f"skipped {r['skipped_steps']}")
         logger.info(" | ".join(parts))
+        self._record(r)
+
+    def _record(self, r: dict) -> None:
+        """One record to metrics.jsonl, TensorBoard and W&B."""
         self.jsonl.write(json.dumps(r) + "\n")
         if self.tb is not None:
             for key, value in r.items():

@@ -309,6 +309,7 @@ class Trainer:
                 if log_due or save_due or self.reports.stopping:
                     self.reports.read()  # the counters and the stop flag must include this step
                 self.maybe_log(step, result, due=log_due)
+                self.maybe_validate(step)
                 if step % t.gc_freq == 0:
                     gc.collect()
                 self.maybe_save(step, due=save_due)
@@ -366,6 +367,41 @@ class Trainer:
             window_time=time.perf_counter() - w.start_time, tokens_seen=self.state.tokens_seen,
             skipped_steps=self.state.skipped_steps, loss_tokens=int(result.loss_tokens.item()))
         self.window = LogWindow(step)
+
+    def maybe_validate(self, step: int) -> None:
+        """The held-out loss every validation.freq steps and at the end (or a stop), where validation is on."""
+        if self.plan.held_out is None:
+            return
+        if step % self.cfg.validation.freq and step != self.cfg.training.steps and not self.reports.stopping:
+            return
+        loss, tokens = self.validate()
+        self.metrics.log_validation(step, loss=loss, tokens=tokens)
+
+    @torch.no_grad()
+    def validate(self) -> tuple[float, int]:
+        """(mean loss over the counted tokens of the held-out set, their number), over every rank's shard: the
+        same batches each time. Nothing of the training changes: no RNG is drawn, no state is kept."""
+        steps = self.cfg.validation.steps
+        self.model.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for i, (batch, shard_ended) in enumerate(self.plan.held_out.batches()):
+            b = self.to_device(batch)
+            loss_sum, count = self.model(b["input_ids"], labels=b["labels"], cu_seqlens=b.get("cu_seqlens"),
+                                         loss_chunk_size=self.cfg.training.loss_chunk_size, reduction="sum")
+            totals += torch.stack([loss_sum.double(), count.double()])
+            if steps > 0:
+                if i + 1 == steps:
+                    break
+                continue
+            # one pass: until any rank's shard ends (every rank runs the same number of forward passes)
+            ended = torch.tensor([float(shard_ended)], device=self.device)
+            dist.all_reduce(ended, op=dist.ReduceOp.MAX)
+            if ended.item() > 0:
+                break
+        self.model.train()
+        dist.all_reduce(totals)
+        loss_sum, count = totals.tolist()
+        return loss_sum / max(count, 1), int(count)
 
     def maybe_save(self, step: int, due: bool) -> None:
         """A checkpoint at a due step (checkpoint.interval, the last) or a stop."""
@@ -489,7 +525,12 @@ def main(argv: list[str] | None = None) -> None:
         finished = True
     except DataError as e:  # bad data is bad input: one line (from each rank that met it), not a traceback
         error, code = first_error_line(e), 2
-    except dist.DistBackendError as e:  # a collective that failed or timed out: another rank died or hangs
+    except RuntimeError as e:  # a collective that failed or timed out: another rank died or hangs
+        # NCCL raises DistBackendError (a RuntimeError); gloo a plain RuntimeError from its transport, e.g.
+        # "[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 15000ms for recv operation to complete"
+        # or "[.../gloo/transport/tcp/pair.cc:...] Connection closed by peer" (tests/test_cluster.py)
+        if not isinstance(e, dist.DistBackendError) and "gloo/transport/" not in str(e):
+            raise
         error, code = (f"rank {trainer.rank}: a collective failed at step {trainer.state.step} (another rank stopped "
                        f"or stopped answering; the last complete checkpoint is intact): {first_error_line(e)}"), 1
     finally:

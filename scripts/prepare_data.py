@@ -8,7 +8,8 @@
         --output data/corpus/train
 
 writes PREFIX_00000.bin/.idx, PREFIX_00001.bin/.idx, ... (a new shard every --shard-size-tokens tokens), then
-prints the `data.path` to train on. Each document is one sequence of its tokens, with NO EOS: packing
+prints the `data.path` to train on; with --validation N (a count, or a fraction below 1) the held-out documents
+go to PREFIX-validation.bin/.idx instead, the `validation.data.path`. Each document is one sequence of its tokens, with NO EOS: packing
 (hybridtitan/data/packing.py) appends EOS after every document, for this data and for text tokenized on the
 fly alike. Empty documents are left out. Without --streaming the dataset is downloaded (FineWeb-Edu sample-10BT:
 about 30 GB) and its tokens are cached by datasets (4 bytes a token) before the shards (2 bytes a token for
@@ -51,9 +52,26 @@ def parse_args(argv=None) -> argparse.Namespace:
                    default=1_000_000_000, help="tokens per output shard")
     p.add_argument("--limit-docs", "--limit_docs", dest="limit_docs", type=int, default=0,
                    help="only the first N documents (0: all)")
+    p.add_argument("--validation", type=_held_out, default=0,
+                   help="hold out documents for validation into PREFIX-validation.bin/.idx: a count (the first N) "
+                        "or a fraction below 1 (spread evenly over the dataset)")
     p.add_argument("--streaming", action="store_true",
                    help="stream the dataset (no full download; tokenizes in this process, with threads)")
     return p.parse_args(argv)
+
+
+def _held_out(text: str) -> float:
+    value = float(text)
+    if value < 0 or (value >= 1 and value != int(value)):
+        raise argparse.ArgumentTypeError(f"must be a count of documents or a fraction below 1, got {text}")
+    return value
+
+
+def held_out(index: int, validation: float) -> bool:
+    """Whether document ``index`` (among the non-empty ones) goes to the validation set."""
+    if validation >= 1:
+        return index < validation
+    return int((index + 1) * validation) > int(index * validation)
 
 
 def tokenized_batches(args, tok):
@@ -112,12 +130,18 @@ def main(argv=None) -> None:
     from tqdm import tqdm
 
     start, shards, docs, empty, tokens = time.time(), [], 0, 0, 0
-    writer = None
+    writer, validation, seen = None, None, 0
     with tqdm(total=total, unit="doc", desc="writing", dynamic_ncols=True) as bar:
         for batch in batches:
             for ids in batch:
                 if not ids:
                     empty += 1
+                    continue
+                seen += 1
+                if args.validation and held_out(seen - 1, args.validation):
+                    if validation is None:
+                        validation = MegatronWriter(f"{args.output}-validation", vocab_size=len(tok))
+                    validation.add_document(ids)
                     continue
                 if writer is None:
                     writer = MegatronWriter(f"{args.output}_{len(shards):05d}", vocab_size=len(tok))
@@ -136,6 +160,10 @@ def main(argv=None) -> None:
     print(f"{docs} documents, {tokens} tokens ({empty} empty documents left out) in {len(shards)} shard(s), "
           f"{time.time() - start:.0f} s")
     print(f'train on them with:  [data] source = "megatron"  path = "{args.output}_*"')
+    if validation is not None:
+        validation.finalize()
+        print(f"{seen - docs} documents held out in {validation.prefix}.bin/.idx; validate on them with:  "
+              f'[validation.data] source = "megatron"  path = "{validation.prefix}"')
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "train_configs" / "debug_hybrid.toml")
 # small and quick: 2 x 128 tokens per rank and step
 QUICK = ["--training.seq_len", "128", "--training.local_batch_size", "2", "--training.global_batch_size", "4",
-         "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false"]
+         "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--validation.enable", "false"]
 
 
 def env() -> dict:
@@ -38,9 +38,10 @@ def run_train(dump: Path, *extra: str, nproc: int = 2, check: bool = True, timeo
     return proc
 
 
-def records(dump: Path) -> dict[int, dict]:
-    """metrics.jsonl by step."""
-    return {r["step"]: r for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())}
+def records(dump: Path, kind: str = "loss") -> dict[int, dict]:
+    """metrics.jsonl's records holding ``kind`` ("loss": training; "validation/loss"), by step."""
+    every = map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r for r in every if kind in r}
 
 
 def losses(dump: Path) -> dict[int, float]:

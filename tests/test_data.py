@@ -376,6 +376,22 @@ def test_prepare_data_end_to_end(tmp_path, tok_dir, tok, corpus):
     expected = [ids for ids in tok(corpus["texts"], add_special_tokens=False)["input_ids"] if ids]  # no EOS
     got = source.documents(range(len(source)))
     assert len(got) == len(expected) and all(g.tolist() == e for g, e in zip(got, expected))
+    # --validation 0.25: every fourth document held out, beside the training shards (which the glob leaves out)
+    held = tmp_path / "held" / "train"
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--dataset", corpus["train"],
+                             "--tokenizer", tok_dir, "--output", str(held), "--workers", "1", "--validation", "0.25"],
+                            capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f'path = "{held}-validation"' in result.stdout
+    from hybridtitan.data.config import megatron_prefixes
+
+    assert megatron_prefixes(f"{held}_*") == [f"{held}_00000"]
+    train, validation = MegatronSource([f"{held}_00000"]), MegatronSource([f"{held}-validation"])
+    flags = [int((i + 1) * 0.25) > int(i * 0.25) for i in range(len(expected))]
+    assert [d.tolist() for d in validation.documents(range(len(validation)))] == [
+        e for e, f in zip(expected, flags) if f]
+    assert [d.tolist() for d in train.documents(range(len(train)))] == [e for e, f in zip(expected, flags) if not f]
+    assert 0.2 * len(expected) <= len(validation) <= 0.3 * len(expected)
 
 
 def test_prepare_data_bad_input(tmp_path, tok_dir, corpus):

@@ -199,3 +199,182 @@ def test_cli_processes_fail_in_one_line(trained, tmp_path):
         assert len(stderr.strip().splitlines()) == 1 and stderr.startswith("error: "), stderr
         assert expected in stderr, stderr
     assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------------ --batch_size auto
+
+
+class _RunsOutOfMemory(torch.nn.Module):
+    """A stand-in model whose forward fails as CUDA's allocator does when a batch holds more than ``budget``
+    tokens (``error`` the exception raised), and records the batch of every call."""
+
+    def __init__(self, budget: int, error=torch.OutOfMemoryError):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.budget, self.error, self.calls = budget, error, []
+
+    def forward(self, ids, cache=None):
+        self.calls.append(tuple(ids.shape))
+        if ids.numel() > self.budget:
+            raise self.error("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return torch.zeros(*ids.shape, 16)
+
+
+def _fake_lm(model, batch_size="auto", **kwargs):
+    from types import SimpleNamespace
+
+    from hybridtitan.eval import HybridTitanLM
+
+    return HybridTitanLM(model, SimpleNamespace(pad_token_id=0, eos_token_id=1), batch_size=batch_size,
+                         max_length=64, **kwargs)
+
+
+def test_auto_batch_size_is_the_largest_that_fits():
+    """From max_batch_size (64), halved on out-of-memory, then bisected: the largest batch below the failure."""
+    from hybridtitan.eval import EvalError
+
+    model = _RunsOutOfMemory(budget=20 * 10)
+    lm = _fake_lm(model)
+    assert lm.detect_batch_size(10) == 20
+    assert [b for b, _ in model.calls] == [64, 32, 16, 24, 20, 22, 21]
+    # the message form of older releases and other allocators (a RuntimeError): the same answer
+    assert _fake_lm(_RunsOutOfMemory(5 * 10, RuntimeError)).detect_batch_size(10) == 5
+    assert _fake_lm(_RunsOutOfMemory(10**9)).detect_batch_size(10) == 64  # the start fits: one trial
+    assert _fake_lm(_RunsOutOfMemory(10**9), max_batch_size=7).detect_batch_size(10) == 7
+    assert _fake_lm(_RunsOutOfMemory(3)).detect_batch_size(10) == 1  # not even one row: 1 (and its real error)
+
+    class Broken(_RunsOutOfMemory):
+        def forward(self, ids, cache=None):
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):  # not an out-of-memory: raised
+        _fake_lm(Broken(0)).detect_batch_size(10)
+    with pytest.raises(EvalError, match="auto"):  # a collective forward (FSDP): no trials
+        _fake_lm(_RunsOutOfMemory(100), collective=True)
+
+
+def test_auto_n_detects_again_as_the_requests_shorten():
+    """auto:2: a size for the longest request, and another, larger one for the second half (shorter requests);
+    integer batch sizes unchanged."""
+    model = _RunsOutOfMemory(budget=400)  # tokens: 10 rows of 39, 44 of 9
+    lm = _fake_lm(model, "auto:2")
+    pairs = [([2] * n, [3]) for n in [39] * 20 + [9] * 20]  # model inputs of 39 and of 9 tokens
+    assert len(lm._score(pairs)) == 40 and list(lm.batch_sizes.values()) == [10, 44]
+    trials_39 = [(b, 39) for b in (64, 32, 16, 8, 12, 10, 11)]
+    trials_9 = [(b, 9) for b in (64, 32, 48, 40, 44, 46, 45)]
+    assert model.calls == trials_39 + trials_9 + [(10, 39), (10, 39), (20, 9)]  # sizes first, then the batches
+    fixed = _fake_lm(_RunsOutOfMemory(10**9), batch_size=16)
+    fixed._score(pairs)
+    assert fixed.model.calls == [(16, 39), (16, 39), (8, 9)] and not fixed.batch_sizes
+
+
+def test_auto_batch_size_same_accuracy_as_batch_8(trained, tmp_path, capsys):
+    results = {}
+    for batch in ("8", "auto"):
+        path = tmp_path / f"{batch}.json"
+        out = _run_eval(capsys, ["--checkpoint", str(trained["debug_hybrid"]), "--tasks", "stdlib_mc",
+                                 "--include_path", str(TASKS), "--batch_size", batch, "--device", "cpu",
+                                 "--bootstrap_iters", "0", "--output_path", str(path), "--log_samples"])
+        results[batch] = json.loads(path.read_text())
+        assert ("batch_size auto (chosen: 64)" in out) == (batch == "auto"), out
+    for metric in ("acc,none", "acc_norm,none"):
+        assert results["8"]["results"]["stdlib_mc"][metric] == results["auto"]["results"]["stdlib_mc"][metric]
+    assert results["auto"]["config"]["batch_sizes"] == [64]
+    for a, b in zip(results["8"]["samples"]["stdlib_mc"], results["auto"]["samples"]["stdlib_mc"]):
+        assert a["doc_id"] == b["doc_id"]
+        for (x,), (y,) in zip(a["resps"], b["resps"]):
+            assert x[0] == pytest.approx(y[0], abs=1e-4) and x[1] == y[1]
+
+
+def test_batch_size_bad_values(trained, capsys):
+    from hybridtitan.eval import main
+
+    common = ["--checkpoint", str(trained["debug_gdn"]), "--tasks", "stdlib_mc", "--include_path", str(TASKS)]
+    for value, match in (("eight", "must be an integer, auto or auto:N"), ("auto:0", "positive number"),
+                         ("0", "--batch_size must be >= 1")):
+        with pytest.raises(SystemExit) as e:
+            main([*common, "--batch_size", value])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and len(err.splitlines()) == 1 and match in err, err
+    with pytest.raises(SystemExit):
+        main([*common, "--log_samples"])
+    assert "give --output_path" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ stock lm-eval
+
+# lm-eval's hf model imports accelerate (its [hf] extra), which this project's environment does not install. Where it
+# is missing, these few names stand in for it: all that HFLM touches in one CPU process with an integer batch size.
+ACCELERATE_STAND_IN = {
+    "__init__.py": '''"""Stand-in for accelerate (test only): one process, on the CPU."""
+import torch
+
+
+class InitProcessGroupKwargs:
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+
+class Accelerator:
+    num_processes, process_index, local_process_index, is_local_main_process = 1, 0, 0, True
+
+    def __init__(self, **kwargs):
+        self.device = torch.device("cpu")
+
+
+def find_executable_batch_size(function=None, starting_batch_size=128):
+    raise NotImplementedError("batch_size auto needs the real accelerate")
+''',
+    "utils.py": "def get_max_memory(*args, **kwargs):\n    raise NotImplementedError\n",
+}
+
+
+def test_stock_lm_eval_hf_model_same_numbers(trained, tmp_path, capsys):
+    """`python -m lm_eval --model hf` (transformers and the export's own code, no hybridtitan imported) on the
+    float32 exports of debug_hybrid and debug_mamba2: the acc and acc_norm of hybridtitan.eval on the DCP
+    checkpoint, and every sample's loglikelihood within float error (other batches, other padding)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    from test_export_hf import cli_env
+
+    from hybridtitan.export_hf import export
+
+    env = cli_env()
+    env["PYTHONPATH"] = ""  # lm-eval's process must not see this checkout: the export's code alone
+    if importlib.util.find_spec("accelerate") is None:
+        stand_in = tmp_path / "site" / "accelerate"
+        stand_in.mkdir(parents=True)
+        for name, text in ACCELERATE_STAND_IN.items():
+            (stand_in / name).write_text(text)
+        env["PYTHONPATH"] = str(stand_in.parent)
+    flavors = ("debug_hybrid", "debug_mamba2")
+    procs = {}
+    for flavor in flavors:
+        export(str(trained[flavor]), str(tmp_path / flavor), dtype="float32")
+        procs[flavor] = subprocess.Popen(
+            [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+             f"pretrained={tmp_path / flavor},trust_remote_code=True,dtype=float32", "--tasks", "stdlib_mc",
+             "--include_path", str(TASKS), "--device", "cpu", "--batch_size", "8", "--output_path",
+             str(tmp_path / f"{flavor}-stock"), "--log_samples"],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ours = {}
+    for flavor in flavors:  # meanwhile, ours on the DCP checkpoints
+        path = tmp_path / f"{flavor}-ours.json"
+        _run_eval(capsys, ["--checkpoint", str(trained[flavor]), "--tasks", "stdlib_mc", "--include_path",
+                           str(TASKS), "--device", "cpu", "--bootstrap_iters", "0", "--output_path", str(path),
+                           "--log_samples"])
+        ours[flavor] = json.loads(path.read_text())
+    for flavor in flavors:
+        out, err = procs[flavor].communicate(timeout=600)
+        assert procs[flavor].returncode == 0, (out + err)[-4000:]
+        (results,) = (tmp_path / f"{flavor}-stock").glob("*/results_*.json")
+        (samples,) = (tmp_path / f"{flavor}-stock").glob("*/samples_stdlib_mc_*.jsonl")
+        stock = json.loads(results.read_text())["results"]["stdlib_mc"]
+        mine = ours[flavor]["results"]["stdlib_mc"]
+        assert (stock["acc,none"], stock["acc_norm,none"]) == (mine["acc,none"], mine["acc_norm,none"]), flavor
+        theirs = {s["doc_id"]: s for s in map(json.loads, samples.read_text().splitlines())}
+        for s in ours[flavor]["samples"]["stdlib_mc"]:
+            for (a,), (b,) in zip(s["resps"], theirs[s["doc_id"]]["resps"], strict=True):
+                assert a[0] == pytest.approx(float(b[0]), abs=1e-4) and str(a[1]) == str(b[1])  # (stock: text)

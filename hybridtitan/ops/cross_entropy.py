@@ -60,33 +60,24 @@ def compiled_chunk_loss_and_grad():
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """``chunk_fn`` (the signature of ``chunk_loss_and_grad``) does each chunk's softmax part; ``accumulate`` (of
-    ``_accumulate``) replaces its gradient products when given: the benchmark measures alternatives with it
-    before the op changes (gpu/bench_throughput.py)."""
+    """Called where a gradient is wanted. ``chunk_fn`` (the signature of ``chunk_loss_and_grad``) does each
+    chunk's softmax part."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index: int, chunk_size: int, chunk_fn, accumulate=None):
-        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+    def forward(ctx, hidden, weight, targets, ignore_index: int, chunk_size: int, chunk_fn):
         n = hidden.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if need_grad else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start in range(0, n, chunk_size):
             h = hidden[start:start + chunk_size]
             t = targets[start:start + chunk_size]
             valid = t != ignore_index
             safe_t = torch.where(valid, t, torch.zeros_like(t)).unsqueeze(1)
-            logits = h @ weight.t()
-            if need_grad:
-                loss, probs = chunk_fn(logits, safe_t, valid)
-                (accumulate or _accumulate)(grad_hidden, grad_weight, probs.to(hidden.dtype), h, weight, start)
-            else:  # evaluation: the loss alone
-                x = logits.float()
-                lse = torch.logsumexp(x, dim=1, keepdim=True)
-                loss = ((lse - x.gather(1, safe_t)).squeeze(1) * valid).sum()
+            loss, probs = chunk_fn(h @ weight.t(), safe_t, valid)
+            _accumulate(grad_hidden, grad_weight, probs.to(hidden.dtype), h, weight, start)
             total += loss
-        if need_grad:
-            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return total
 
     @staticmethod
@@ -94,7 +85,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         gh = grad_hidden * grad_output.to(grad_hidden.dtype) if ctx.needs_input_grad[0] else None
         gw = grad_weight * grad_output.to(grad_weight.dtype) if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None, None, None, None
+        return gh, gw, None, None, None, None
 
 
 def _accumulate(grad_hidden, grad_weight, probs, h, weight, start: int) -> None:
@@ -108,7 +99,7 @@ def _accumulate(grad_hidden, grad_weight, probs, h, weight, start: int) -> None:
 
 def _add_in_gemm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
     """acc += a @ b for low-precision a, b and a float32 acc, in the GEMM itself (beta = 1, float32 output):
-    no low-precision [V, D] product written, read back and added (8.5 ms of a 304 ms step on the H200).
+    no low-precision [V, D] product written, read back and added (a [V, D] pass per chunk).
     Returns False, doing nothing, where the backend lacks such a GEMM (CPU)."""
     if not _fp32_out_gemm_supported(acc.device.type, a.dtype):
         return False
@@ -147,5 +138,19 @@ def linear_cross_entropy(
     t = targets.reshape(-1)
     if h.shape[0] != t.shape[0]:
         raise ValueError(f"{h.shape[0]} hidden states for {t.shape[0]} targets")
-    loss_sum = _LinearCrossEntropy.apply(h, weight, t, ignore_index, chunk_size, chunk_fn)
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        loss_sum = _LinearCrossEntropy.apply(h, weight, t, ignore_index, chunk_size, chunk_fn)
+    else:  # evaluation: the loss alone, no gradient buffers
+        loss_sum = _loss_only(h, weight, t, ignore_index, chunk_size)
     return loss_sum, (t != ignore_index).sum()
+
+
+def _loss_only(hidden, weight, targets, ignore_index: int, chunk_size: int) -> torch.Tensor:
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_size):
+        t = targets[start:start + chunk_size]
+        valid = t != ignore_index
+        x = (hidden[start:start + chunk_size] @ weight.t()).float()
+        lse = torch.logsumexp(x, dim=1, keepdim=True)
+        total += ((lse - x.gather(1, torch.where(valid, t, 0).unsqueeze(1))).squeeze(1) * valid).sum()
+    return total
