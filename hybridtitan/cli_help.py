@@ -124,11 +124,21 @@ def _entries(job_config_cls, titan_cls, extension_cls, supported: dict[str, set[
             if section == "model" and f.name in MODEL_SUBSECTIONS:
                 rows += _model_subsection(f.name, tp)
                 continue
+            if is_dataclass(tp):  # a subsection of its own, e.g. [validation.data]
+                rows += _subsection(key, tp, getattr(getattr(job_defaults, section), f.name))
+                continue
             type_text, override = OVERRIDES.get(key, (None, None))
             rows.append((key, type_text or _type_text(tp), getattr(getattr(job_defaults, section), f.name),
                          override or doc))
         if rows:
             yield section, rows
+
+
+def _subsection(prefix: str, cls, defaults):
+    docs = _field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    return [(f"{prefix}.{f.name}", _type_text(hints[f.name]), getattr(defaults, f.name), docs.get(f.name, ""))
+            for f in fields(cls)]
 
 
 def _model_subsection(name: str, overrides_cls):

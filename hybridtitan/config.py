@@ -534,6 +534,9 @@ def validate(cfg, check_data: bool = True) -> None:
     try:
         if check_data:
             validate_data_config(cfg.data)
+            if v.data.tokenizer != Data().tokenizer:
+                raise ConfigError("validation.data.tokenizer is not used: the held-out set is read with "
+                                  "data.tokenizer")
             if v.enable:
                 if v.data.source == "mock" and v.steps == -1:
                     raise ConfigError("validation.steps: mock data has no end; give a number of batches")

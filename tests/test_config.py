@@ -128,7 +128,8 @@ def test_help_lists_the_supported_keys(capsys):
     assert {"training.loss_chunk_size", "data.document_boundaries", "model.pattern", "model.mla.kv_lora_rank",
             "checkpoint.last_save_model_only"} <= listed
     assert not {"parallelism.tensor_parallel_degree", "training.dataset", "job.custom_config_module"} & listed
-    assert not any(key.startswith(("quantize.", "validation.", "fault_tolerance.")) for key in listed)
+    assert not any(key.startswith(("quantize.", "fault_tolerance.")) for key in listed)
+    assert {"validation.enable", "validation.freq", "validation.data.path", "eval.tasks"} <= listed
     assert "Tokens per chunk of the fused linear cross-entropy" in out  # the docstring of a merged-in key
     assert "--checkpoint.async_mode (disabled or async;" in out  # not torchtitan's async_with_pinned_mem
     with pytest.raises(SystemExit) as exc:

@@ -253,7 +253,9 @@ class Kernels:
     def linear_cross_entropy(self, hidden, weight, targets, ignore_index: int = -100, chunk_size: int = 4096):
         """Summed cross-entropy of ``hidden @ weight.T`` and the number of counted targets, never holding all the
         logits (``cross_entropy``); each chunk's elementwise part compiled, in our Triton kernel (GPUs) or eager."""
-        if self.config.compiled_loss:
+        if self.config.reference:
+            chunk_fn = cross_entropy.chunk_loss_and_grad
+        elif self.config.compiled_loss:
             chunk_fn = cross_entropy.compiled_chunk_loss_and_grad()
         elif self.config.triton_loss and hidden.is_cuda:
             from . import cross_entropy_triton
