@@ -112,6 +112,11 @@ class Training:
     the next document is not predicted from the last one's EOD). The loss is the mean over the counted tokens of
     the whole global batch, however it is split into micro-batches and ranks"""
 
+    gdn_backend: Literal["triton", "flash_qla"] = "triton"
+    """GPU: FLA's backend for the gated delta rule: triton (FLA's Triton kernels, on every GPU, whatever else is
+    installed) or flash_qla (FlashQLA where the package is installed and takes the call, FLA's Triton kernels
+    otherwise; the log says which ran)"""
+
     cuda_graphs: bool = False
     """GPU: replay the recurrent mixers' FLA calls from CUDA graphs captured in the first step (whole sequences;
     packed documents run eagerly). Much less host time per step for more memory (each layer keeps its own

@@ -26,7 +26,7 @@ def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # "fused": one kernel per parameter group (GPUs and CPUs); it can also skip a step with non-finite gradients
-    # by itself, without the host waiting for the gradient norm (train._optimizer_step)
+    # by itself, without the host waiting for the gradient norm (train.optimizer_step)
     fused = o.implementation == "fused"
     foreach = not fused and o.implementation != "for-loop"
     cls = LocalShardAdamW if o.name == "AdamW" else LocalShardAdam
@@ -37,9 +37,9 @@ class _LocalShardUpdate:
     """Adam's and AdamW's update applied to each rank's shards of FSDP's parameters, not to the DTensors.
 
     The update is elementwise, so a shard's new values depend on that shard's parameter, gradient and moments
-    only. Handing the DTensors to the update makes every operation pass DTensor's dispatch: a fused AdamW step
-    cost the host 6.2 ms (gdn_300M, 218 parameters) and 10.9 ms (kda_300M) on an H200's machine, 1.2 and 1.1 ms
-    on the shards (docs/benchmarks.md), and where micro-batches are small the host's time is the step's. The
+    only. Handing the DTensors to the update makes every operation pass DTensor's dispatch, several times the
+    host time of the same update on the shards (docs/findings.md), and where micro-batches are small the host's
+    time is the step's. The
     optimizer still holds the DTensors (its state is created like them), so state dicts and resharded
     checkpoints are unchanged. Only the tensor lists that torch's ``_init_group`` fills are replaced by their
     shards."""
@@ -65,9 +65,9 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
     before scaling (a 0-dim float32 tensor, the same on every rank; not finite if a gradient is not).
 
     The result of ``torch.nn.utils.clip_grad_norm_``, for less host time: on FSDP's sharded gradients (DTensors
-    of one mesh and placement) each operation there passes DTensor's dispatch, 4.0 ms per step for gdn_300M on
-    an H200's machine, against 1.3 ms here, where the norm is formed from each rank's shards and summed over the
-    sharded mesh dimensions in one all-reduce (docs/benchmarks.md). The host's time is the step's time where
+    of one mesh and placement) each operation there passes DTensor's dispatch; here the norm is formed from each
+    rank's shards and summed over the sharded mesh dimensions in one all-reduce, for a fraction of the host time
+    (docs/findings.md). The host's time is the step's time where
     micro-batches are small. Other gradients go to torch's function."""
     parameters = list(parameters)
     params = [p for p in parameters if p.grad is not None]

@@ -86,7 +86,8 @@ def kernel_config(cfg, device: torch.device) -> ops.KernelConfig:
     return ops.KernelConfig(
         fused_residual=device.type == "cuda",  # the same sums; on CPUs there is no kernel to save
         compiled_norms=compiles(cfg, "norm"), compiled_swiglu=compiles(cfg, "swiglu"),
-        compiled_loss=compiles(cfg, "loss"), cuda_graphs=cfg.training.cuda_graphs)
+        compiled_loss=compiles(cfg, "loss"), cuda_graphs=cfg.training.cuda_graphs,
+        gdn_backend=cfg.training.gdn_backend)
 
 
 def build_parallel_model(args, mesh, device: torch.device, *, kernels: ops.Kernels = ops.DEFAULT,

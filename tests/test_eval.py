@@ -305,6 +305,7 @@ def test_batch_size_bad_values(trained, capsys):
 
 # lm-eval's hf model imports accelerate (its [hf] extra), which this project's environment does not install. Where it
 # is missing, these few names stand in for it: all that HFLM touches in one CPU process with an integer batch size.
+# Its version, 0.0.0, is below what transformers asks of accelerate, which so goes on as without it.
 ACCELERATE_STAND_IN = {
     "__init__.py": '''"""Stand-in for accelerate (test only): one process, on the CPU."""
 import torch
@@ -348,6 +349,9 @@ def test_stock_lm_eval_hf_model_same_numbers(trained, tmp_path, capsys):
         stand_in.mkdir(parents=True)
         for name, text in ACCELERATE_STAND_IN.items():
             (stand_in / name).write_text(text)
+        (stand_in.parent / "accelerate-0.0.0.dist-info").mkdir()
+        (stand_in.parent / "accelerate-0.0.0.dist-info" / "METADATA").write_text(
+            "Metadata-Version: 2.1\nName: accelerate\nVersion: 0.0.0\n")
         env["PYTHONPATH"] = str(stand_in.parent)
     flavors = ("debug_hybrid", "debug_mamba2")
     procs = {}

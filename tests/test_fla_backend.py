@@ -67,8 +67,9 @@ def test_delta_rules_pass_their_chunk_size_and_decode_without_one(monkeypatch):
             return kwargs["v"], None
         return fn
 
-    for name in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_kda", "fused_recurrent_kda"):
-        monkeypatch.setattr(fla_backend, name, stand_in(name))
+    for name in ("_triton_chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_kda",
+                 "fused_recurrent_kda"):
+        monkeypatch.setattr(fla_backend, name, stand_in(name.lstrip("_").replace("triton_", "")))
     q = torch.zeros(1, 128, 2, 8, requires_grad=True)
     args = (q, q, q, None, None, None, None, None, None, False)
     fla_backend.gated_delta_rule(*args)
@@ -77,21 +78,25 @@ def test_delta_rules_pass_their_chunk_size_and_decode_without_one(monkeypatch):
         fla_backend.kda(q[:, :1], *args[1:])
     assert calls == [("chunk_gated_delta_rule", fla_backend.CHUNK_SIZE["gdn"]),
                      ("chunk_kda", fla_backend.CHUNK_SIZE["kda"]), ("fused_recurrent_kda", None)]
-    assert fla_backend.CHUNK_SIZE == {"gdn": 64, "kda": 32}
 
 
-def test_kda_configs_of_three_or_more_stages_dropped_on_rocm(monkeypatch):
-    """On a ROCm build of torch, importing the backend drops KDA's autotune configs of more than 2 stages (they
-    hung KDA's backward on AMD GPUs), except where a kernel has no other; on CUDA it changes nothing."""
+def test_configs_of_three_or_more_stages_dropped_on_rocm(monkeypatch):
+    """On a ROCm build of torch, importing the backend drops the autotune configs of more than 2 stages (they hung
+    backward passes on AMD GPUs) from simple GLA's and the delta rules' state-gradient kernels and from KDA's,
+    except where a kernel has no other; on CUDA it changes nothing."""
     import importlib
 
-    kernels = fla_backend.autotuned_kernels(fla_backend.KDA_AUTOTUNED_MODULES)
-    saved = {name: list(k.configs) for name, k in kernels.items()}
-    assert any(c.num_stages > 2 for configs in saved.values() for c in configs)
+    kernels = fla_backend.limited_kernels(fla_backend.ROCM_STAGE_LIMITS)
+    assert {"fla.ops.common.chunk_h.chunk_bwd_kernel_dh",
+            "fla.ops.common.chunk_delta_h.chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64"} <= set(kernels)
+    assert any(name.startswith("fla.ops.kda.chunk_intra.") for name in kernels)
+    others = fla_backend.autotuned_kernels(["fla.ops.common.chunk_h"])  # the forward kernels: left alone
+    saved = {name: list(k.configs) for name, k in {**kernels, **others}.items()}
+    assert any(c.num_stages > 2 for name in kernels for c in saved[name])
     try:
         monkeypatch.setattr(torch.version, "hip", None)
         importlib.reload(fla_backend)
-        assert {name: list(k.configs) for name, k in kernels.items()} == saved
+        assert {name: list(k.configs) for name, k in kernels.items()} == {n: saved[n] for n in kernels}
         monkeypatch.setattr(torch.version, "hip", "6.4.0")
         importlib.reload(fla_backend)
         for name, kernel in kernels.items():
@@ -99,9 +104,69 @@ def test_kda_configs_of_three_or_more_stages_dropped_on_rocm(monkeypatch):
                 assert kernel.configs == [c for c in saved[name] if c.num_stages <= 2], name
             else:
                 assert kernel.configs == saved[name], name  # no config of 2 stages or fewer: FLA's own kept
-        assert sum(len(k.configs) for k in kernels.values()) < sum(map(len, saved.values()))
+        for name, kernel in others.items():
+            if name not in kernels:
+                assert kernel.configs == saved[name], name
+        assert sum(len(k.configs) for k in kernels.values()) < sum(len(saved[n]) for n in kernels)
     finally:
-        for name, kernel in kernels.items():
+        for name, kernel in {**kernels, **others}.items():
             kernel.configs = saved[name]
         monkeypatch.setattr(torch.version, "hip", None)
         importlib.reload(fla_backend)
+
+
+def _gdn_call_recorder(monkeypatch):
+    calls = []
+
+    def stand_in(**kwargs):
+        calls.append(kwargs)
+        return kwargs["v"], None
+
+    monkeypatch.setattr(fla_backend, "_triton_chunk_gated_delta_rule", stand_in)
+    monkeypatch.setattr(fla_backend, "chunk_gated_delta_rule", stand_in)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 128, 2, 8, generator=gen, dtype=torch.bfloat16, requires_grad=True)
+    a, b = (torch.randn(1, 128, 2, generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    A_log, dt_bias = torch.randn(2, generator=gen), torch.randn(2, generator=gen)
+    return calls, (q, q, q, a, b, A_log, dt_bias, None, None, False)
+
+
+def test_gdn_gate_in_float32_outside_the_kernel_on_rocm(monkeypatch):
+    """On CUDA the gate and beta go into FLA's kernel raw (fused there); on ROCm the log decay
+    -exp(A_log) * softplus(a + dt_bias) and sigmoid(beta) are computed first, the decay in float32."""
+    calls, args = _gdn_call_recorder(monkeypatch)
+    monkeypatch.setattr(torch.version, "hip", None)
+    fla_backend.gated_delta_rule(*args)
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    fla_backend.gated_delta_rule(*args)
+    cuda, rocm = calls
+    q, _, _, a, b, A_log, dt_bias = args[:7]
+    assert cuda["use_gate_in_kernel"] and cuda["g"] is a and cuda["A_log"] is A_log and cuda["beta"] is b
+    assert not rocm["use_gate_in_kernel"] and not rocm["use_beta_sigmoid_in_kernel"] and "A_log" not in rocm
+    assert rocm["g"].dtype == torch.float32
+    torch.testing.assert_close(rocm["g"], -A_log.exp() * torch.nn.functional.softplus(a.float() + dt_bias))
+    torch.testing.assert_close(rocm["beta"], torch.sigmoid(b.float()).to(b.dtype))
+
+
+def test_gdn_backend_pinned_to_triton_or_flash_qla(monkeypatch, caplog):
+    """backend "triton" is FLA's own function beneath its backend dispatch (so an installed FlashQLA is never
+    taken); "flash_qla" goes through the dispatch with the gate outside the kernel (FlashQLA's condition); the
+    log says once which ran (here FlashQLA is not installed)."""
+    import inspect
+    import logging
+
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as dispatched
+
+    triton = inspect.unwrap(fla_backend._triton_chunk_gated_delta_rule)
+    assert triton is inspect.unwrap(dispatched) and not hasattr(triton, "__wrapped__")
+    assert triton.__code__.co_filename.endswith("fla/ops/gated_delta_rule/chunk.py")
+    calls, args = _gdn_call_recorder(monkeypatch)
+    monkeypatch.setattr(fla_backend, "_told", set())
+    with caplog.at_level(logging.INFO, logger="hybridtitan"):
+        fla_backend.gated_delta_rule(*args, backend="flash_qla")
+        fla_backend.gated_delta_rule(*args, backend="flash_qla")
+    assert not calls[0]["use_gate_in_kernel"] and calls[0]["g"].dtype == torch.float32
+    told = [r.getMessage() for r in caplog.records if r.getMessage().startswith("gated_delta_rule:")]
+    assert told == ["gated_delta_rule: FlashQLA asked for but not installed: FLA's Triton kernels"]
+    with pytest.raises(ValueError, match="backend must be one of triton, flash_qla"):
+        fla_backend.gated_delta_rule(*args, backend="cuda")

@@ -177,7 +177,7 @@ class HeldOut:
 def _own_process_group(worker_id: int) -> None:
     """A loader worker leaves the trainer's process group: a SIGTERM sent to the group (a terminal's job control,
     `kill -- -PGID`, torchrun stopping a rank) then reaches the trainer alone, which saves and stops
-    (train._StopRequest), instead of killing the workers first and the run with them. The loader stops its
+    (train.StopRequest), instead of killing the workers first and the run with them. The loader stops its
     workers itself; on Linux a worker is also killed when its trainer dies (a signal to the old group, SIGKILL
     included, no longer reaches it), not a few seconds later by the loader's watchdog."""
     os.setpgid(0, 0)

@@ -60,6 +60,10 @@ class KernelConfig:
     cuda_graphs: bool = False
     """The recurrent mixers' FLA calls of whole sequences replayed from CUDA graphs (hybridtitan.ops.cuda_graphs)"""
 
+    gdn_backend: str = "triton"
+    """FLA's backend for the gated delta rule: "triton" (its Triton kernels) or "flash_qla" (FlashQLA where
+    installed and the call suits it)"""
+
 
 @functools.cache
 def _fla():
@@ -129,9 +133,10 @@ class Kernels:
 
     # ---- the recurrent mixers
 
-    def _fla_mixer(self, name: str, site, tensors: tuple, cu_seqlens, initial_state, output_final_state, *extra):
+    def _fla_mixer(self, name: str, site, tensors: tuple, cu_seqlens, initial_state, output_final_state, *extra,
+                   **options):
         """FLA's ``name`` op, through the site's CUDA graphs where they apply (whole sequences, no state)."""
-        fn = getattr(_fla(), name)
+        fn = functools.partial(getattr(_fla(), name), **options) if options else getattr(_fla(), name)
         if (self.config.cuda_graphs and site is not None and cu_seqlens is None and initial_state is None
                 and not output_final_state):
             from . import cuda_graphs
@@ -146,7 +151,7 @@ class Kernels:
         calling layer, for the state the GPU path keeps per layer (CUDA graphs); ignored elsewhere."""
         if self.backend_for(q) == "fla":
             return self._fla_mixer("gated_delta_rule", site, (q, k, v, a, b, A_log, dt_bias), cu_seqlens,
-                                   initial_state, output_final_state)
+                                   initial_state, output_final_state, backend=self.config.gdn_backend)
         g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
         return reference.chunk_delta_rule(
             reference.l2norm(q.float()), reference.l2norm(k.float()), v, g, torch.sigmoid(b.float()),

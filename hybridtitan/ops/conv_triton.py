@@ -1,9 +1,9 @@
 """The mixers' short causal convolution (+ SiLU) over whole sequences, in Triton kernels of our own (CUDA, ROCm).
 
 Each mixer convolves the q, k, v (or x, B, C) block of its fused input projection, channel by channel, over the
-last W (4) positions. On an H200 FLA 0.6.0's kernels spent ~0.7 ms per gdn_300M layer on it (forward twice, the
-backward at ~0.8 TB/s, docs/benchmarks.md), and the recurrent kernels after it copied the strided q, k, v views of
-its output into contiguous tensors. Here:
+last W (4) positions. FLA 0.6.0's kernels read the input twice in the forward pass and ran the backward far below
+the memory's speed, and the recurrent kernels after them copied the strided q, k, v views of their output into
+contiguous tensors (docs/findings.md). Here:
 
 - the forward pass reads the projection's column block as it lies (a strided view) and writes each of q, k, v
   as its own contiguous tensor, so nothing downstream copies them; the pre-activation is not kept;

@@ -3,9 +3,9 @@
 A chunk of 4,096 tokens over a 128,256-word vocabulary is 1 GB of bf16 logits. What follows the logits' GEMM is
 pure memory traffic: find each row's log-sum-exp, then write softmax - onehot. The fastest route reads the row
 twice and writes it once. Each program here owns whole rows, one at a time, so a row's second read follows its
-first closely and can come from the L2 cache (how often it does was not measured: on an H200 a chunk takes
-0.86 ms, ~3.7 TB/s if both reads come from memory, against 1.37 ms for torch.compile's kernel). The gradient
-overwrites the logits in place (they are not needed after), which also saves a second chunk of memory.
+first closely and can come from the L2 cache, where torch.compile's kernel makes more passes (docs/findings.md).
+The gradient overwrites the logits in place (they are not needed after), which also saves a second chunk of
+memory.
 
 Work is in base 2 (x * log2(e), exp2): one exp2 per element per pass. The first pass keeps a running maximum
 and sum per row (the sum rescaled when the maximum grows), so it reads the row once.
@@ -19,7 +19,8 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: a kernel may only read globals that are
 
-# Chosen on an H200 (docs/benchmarks.md, the output layer alone); `chunk_loss_and_grad` takes others.
+# The fastest of the settings tried on an H200 (gpu_harness/bench_throughput.py, the output layer alone);
+# `chunk_loss_and_grad` takes others.
 BLOCK = 8192
 NUM_WARPS = 16
 

@@ -1,10 +1,9 @@
 """The recurrent mixers' FLA calls replayed from CUDA graphs: one call's ~20 kernel launches for the price of one.
 
-Why: a chunked gated delta rule or KDA call costs the host 4-5 ms per forward + backward (FLA's Python around
-~20 Triton launches, scripts/probe_launch_cost.py), more than its GPU work at small micro-batches, where the
-host's launches then set the step's pace. Replayed from graphs, an H200 ran gdn_300M 46% and kda_300M 28% faster
-at micro-batch 8; at the 300M recipes' micro-batch 32 the GPU sets the pace and nothing changed, for 3 GiB more
-(docs/benchmarks.md, eighth measurement). Hence ``training.cuda_graphs``, off by default.
+Why: a chunked gated delta rule or KDA call is FLA's Python around ~20 Triton launches, which at small
+micro-batches costs the host more time than the GPU spends on the work: the host's launches then set the step's
+pace, and a replayed graph is one launch. Where the GPU sets the pace (the recipes' micro-batches) it saves
+nothing and costs memory, hence ``training.cuda_graphs``, off by default (docs/findings.md has the numbers).
 
 How: per call site (a layer: ``site``, held weakly) and per input signature (shapes, strides, dtypes, which
 inputs need gradients), the call's forward and backward are captured once, after a warm-up that lets FLA's
@@ -22,7 +21,7 @@ recomputation replays the same inputs) keep to this.
 
 Only whole sequences in training are graphed (no cu_seqlens, no state in or out, gradients on); anything else,
 a call inside torch.compile, or a failed capture (the op then stays eager at that site) runs the op directly.
-CUDA and ROCm (HIP graphs) alike; not testable on a CPU: scripts/gpu_check.py compares graphed against eager.
+CUDA and ROCm (HIP graphs) alike; not testable on a CPU: gpu_harness/gpu_check.py compares graphed against eager.
 """
 
 from __future__ import annotations

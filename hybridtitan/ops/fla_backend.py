@@ -6,6 +6,8 @@ Each function has the signature of its PyTorch twin in ``reference.py`` (through
 from __future__ import annotations
 
 import importlib
+import inspect
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -19,20 +21,30 @@ from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gat
 from fla.ops.kda import chunk_kda, fused_recurrent_kda
 from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
 
+logger = logging.getLogger("hybridtitan")
+
 # Below this many tokens without gradients (decoding), the recurrent kernels beat the chunked ones.
 RECURRENT_MAX_TOKENS = 64
 
-# Tokens per chunk of the chunked delta-rule kernels (FLA's default is 64; both take 32). At KDA's key dim of 32 a
-# chunk of 32 ran a kda_300M layer's forward + backward in 4.01 against 4.77 ms on an H200 (docs/benchmarks.md,
-# thirteenth measurement). Same arithmetic either way, up to the order of bf16 roundings.
+# Tokens per chunk of the chunked delta-rule kernels (FLA's default is 64; both take 32). At KDA's key dim of 32
+# chunks of 32 are faster (docs/findings.md); the arithmetic is the same either way, up to the order of bf16
+# roundings.
 CHUNK_SIZE = {"gdn": 64, "kda": 32}
 
 
-# KDA's backward has hung on ROCm in autotune configs of 3 or more pipeline stages (a pitfall others hit); FLA 0.6.0
-# offers its KDA kernels 2, 3 and 4 on every device. On AMD GPUs the configs above 2 are dropped before the first
-# call, where a kernel has others: the autotuner picks among the rest, and the arithmetic is the same.
-ROCM_KDA_MAX_STAGES = 2
-KDA_AUTOTUNED_MODULES = ("fla.ops.kda.chunk_bwd", "fla.ops.kda.chunk_intra", "fla.ops.kda.wy_fast")
+# Autotune configs of 3 or more pipeline stages have hung FLA's backward passes on AMD GPUs (Primus drops them from
+# the kernels below on ROCm; docs/rocm.md): the state gradient of simple GLA (Mamba2's SSD) and of the delta rules,
+# and KDA's kernels. FLA 0.6.0 offers them 2, 3 and 4 stages on every device. On ROCm builds of torch the configs
+# above 2 are dropped before the first call, where a kernel has others: the autotuner picks among the rest, and
+# the arithmetic is the same. (None: every autotuned kernel of the module.)
+ROCM_MAX_STAGES = 2
+ROCM_STAGE_LIMITS = {
+    "fla.ops.common.chunk_h": ("chunk_bwd_kernel_dh",),
+    "fla.ops.common.chunk_delta_h": ("chunk_gated_delta_rule_bwd_kernel_dhu_blockdim64",),
+    "fla.ops.kda.chunk_bwd": None,
+    "fla.ops.kda.chunk_intra": None,
+    "fla.ops.kda.wy_fast": None,
+}
 
 
 def autotuned_kernels(module_names) -> dict:
@@ -49,11 +61,17 @@ def autotuned_kernels(module_names) -> dict:
     return found
 
 
-def limit_num_stages(module_names, max_stages: int) -> int:
-    """Drops the autotune configs of more than ``max_stages`` stages from every autotuned kernel of these modules
-    (a kernel left with none keeps its own); returns how many were dropped."""
+def limited_kernels(limits: dict) -> dict:
+    """The autotuned kernels that ``limits`` (module -> kernel names, or None for all) names."""
+    return {key: kernel for key, kernel in autotuned_kernels(limits).items()
+            if limits[key.rsplit(".", 1)[0]] is None or key.rsplit(".", 1)[1] in limits[key.rsplit(".", 1)[0]]}
+
+
+def limit_num_stages(limits: dict, max_stages: int) -> int:
+    """Drops the autotune configs of more than ``max_stages`` stages from the kernels ``limits`` names (a kernel
+    left with none keeps its own); returns how many were dropped."""
     dropped = 0
-    for kernel in autotuned_kernels(module_names).values():
+    for kernel in limited_kernels(limits).values():
         keep = [c for c in kernel.configs if (c.num_stages or 0) <= max_stages]
         if keep and len(keep) < len(kernel.configs):
             dropped += len(kernel.configs) - len(keep)
@@ -62,7 +80,16 @@ def limit_num_stages(module_names, max_stages: int) -> int:
 
 
 if torch.version.hip:
-    limit_num_stages(KDA_AUTOTUNED_MODULES, ROCM_KDA_MAX_STAGES)
+    limit_num_stages(ROCM_STAGE_LIMITS, ROCM_MAX_STAGES)
+
+_told: set[str] = set()
+
+
+def _tell(op: str, what: str) -> None:
+    """Says once per process which kernel runs an op (the log of rank 0)."""
+    if op not in _told:
+        _told.add(op)
+        logger.info(f"{op}: {what}")
 
 
 def _decoding(q: torch.Tensor) -> bool:
@@ -76,31 +103,69 @@ def _v_first(state):
 
 
 def _delta_rule(mixer, chunk_fn, recurrent_fn, q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state,
-                output_final_state):
-    """GDN and KDA take the same arguments: raw gate and beta logits, the gate and L2 norm fused in the kernel."""
+                output_final_state, gate_outside: bool = False):
+    """GDN and KDA take the same arguments: raw gate and beta logits, the gate and L2 norm fused in the kernel.
+    With ``gate_outside``, the log decay -exp(A_log) * softplus(a + dt_bias) and beta's sigmoid are computed here in
+    float32 and handed to the kernel (GDN only)."""
     decoding = _decoding(q)
+    if gate_outside:
+        gates = dict(g=-A_log.float().exp() * F.softplus(a.float() + dt_bias.float()), beta=torch.sigmoid(b.float())
+                     .to(q.dtype), use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False)
+    else:
+        gates = dict(g=a, beta=b, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True,
+                     use_beta_sigmoid_in_kernel=True)
     o, state = (recurrent_fn if decoding else chunk_fn)(
-        q=q, k=k, v=v, g=a, beta=b, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True,
-        use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, initial_state=_v_first(initial_state),
+        q=q, k=k, v=v, **gates, use_qk_l2norm_in_kernel=True, initial_state=_v_first(initial_state),
         output_final_state=output_final_state, cu_seqlens=cu_seqlens, state_v_first=True,
         **({} if decoding else {"chunk_size": CHUNK_SIZE[mixer]}),
     )
     return o, _v_first(state)
 
 
-def gated_delta_rule(*args):
-    return _delta_rule("gdn", chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, *args)
+GDN_BACKENDS = ("triton", "flash_qla")
+
+# FLA's chunk_gated_delta_rule routes a call to FlashQLA where that package is installed and takes the call
+# (FLA's backend dispatch); its own Triton implementation is the function under the dispatch.
+_triton_chunk_gated_delta_rule = torch.compiler.disable(inspect.unwrap(chunk_gated_delta_rule))
+
+
+def gated_delta_rule(*args, backend: str = "triton"):
+    """``backend``: "triton" (FLA's Triton kernels on every GPU, whatever else is installed) or "flash_qla" (FLA's
+    dispatch: FlashQLA where installed and the call suits it, which needs the gate and beta computed outside the
+    kernel, else FLA's Triton kernels). On ROCm the gate is computed in float32 outside the kernel too (Primus met
+    NaN gradients with the gate fused there on AMD GPUs)."""
+    if backend not in GDN_BACKENDS:
+        raise ValueError(f"gated delta rule backend must be one of {', '.join(GDN_BACKENDS)}, got {backend!r}")
+    gate_outside = backend == "flash_qla" or bool(torch.version.hip)
+    chunk_fn = chunk_gated_delta_rule if backend == "flash_qla" else _triton_chunk_gated_delta_rule
+    if backend == "flash_qla":
+        _tell("gated_delta_rule", _flash_qla_verdict(*args))
+    else:
+        _tell("gated_delta_rule", "FLA's Triton kernels" + (" (the gate in float32 outside the kernel, ROCm)"
+                                                           if gate_outside else ""))
+    return _delta_rule("gdn", chunk_fn, fused_recurrent_gated_delta_rule, *args, gate_outside=gate_outside)
+
+
+def _flash_qla_verdict(q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state, output_final_state) -> str:
+    """Which kernels FLA's dispatch will run for this call under the flash_qla backend, in words."""
+    from fla.ops.gated_delta_rule.backends import FlashQLABackend
+
+    if not FlashQLABackend.is_available():
+        return "FlashQLA asked for but not installed: FLA's Triton kernels"
+    accepted, reason = FlashQLABackend().verify(
+        "chunk_gated_delta_rule", q, k, v, a.float(), b, initial_state=initial_state, cu_seqlens=cu_seqlens,
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False)
+    return "FlashQLA" if accepted else f"FlashQLA declined ({reason}): FLA's Triton kernels"
 
 
 def kda(*args):
+    _tell("kda", f"FLA's Triton kernels, chunks of {CHUNK_SIZE['kda']}")
     return _delta_rule("kda", chunk_kda, fused_recurrent_kda, *args)
 
 
-# FLA 0.6.0's chunked simple-GLA backward is only trusted at head dims of at least 64. On an H200
-# (scripts/probe_mamba2_packed.py, scripts/gpu_check.py): at key dim 16 and value dim 32 (debug_mamba2's d_state
-# and head dim) chunk_bwd_dqkwg faulted (an illegal memory access) or returned a wrong gate gradient with packed
-# documents, and faulted on dense batches too while its autotuner tried its configurations (a fresh Triton cache,
-# 2026-12-01); at key dim 64 and value dim 32 the packed op check faulted too; at 64 and 64 every check passed.
+# FLA 0.6.0's chunked simple-GLA backward is only trusted at head dims of at least 64: below it, on an H200, its
+# chunk_bwd_dqkwg faulted (an illegal memory access) or returned a wrong gate gradient (docs/findings.md); at 64
+# and 64 every parity check passes (gpu_harness/gpu_check.py).
 # Zero columns of q and k add nothing to q k^T, to the state's other rows or to any gradient; zero columns of v
 # give zero output columns and state columns, which are cut off. So when a backward pass will follow, smaller head
 # dims are padded to this (the forward pass alone was right at 16 and 32, so evaluation runs unpadded).
@@ -108,6 +173,7 @@ MIN_TRAINED_HEAD_DIM = 64
 
 
 def simple_gla(q, k, v, g, scale, cu_seqlens, initial_state, output_final_state):
+    _tell("simple_gla", "FLA's Triton kernels (Mamba2's SSD)")
     decoding = _decoding(q)
     fn = fused_recurrent_simple_gla if decoding else chunk_simple_gla
     key_dim, value_dim = q.shape[-1], v.shape[-1]

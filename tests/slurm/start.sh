@@ -55,7 +55,7 @@ NODEHW="$(env -u SLURM_CONF slurmd -C | head -n 1 | sed -E 's/^NodeName=[^ ]+ //
 sed -e "s|@DIR@|$DIR|g" -e "s|@SDIR@|$SDIR|g" -e "s|@NODEHW@|$NODEHW|g" -e "s|@CTLD_PORT@|$CTLD_PORT|g" \
     -e "s|@SLURMD_PORT@|$SLURMD_PORT|g" -e "s|@KILL_WAIT@|${SLURM_KILL_WAIT:-10}|g" \
     "$HERE/slurm.conf.template" > "$CONF"
-echo "Name=gpu Count=2" > "$DIR/etc/gres.conf"   # the template's GPUs, without device files
+printf "Name=gpu File=/dev/null\nName=gpu File=/dev/zero\n" > "$DIR/etc/gres.conf"   # the template's GPUs (stand-in device files)
 : > "$DIR/etc/plugstack.conf"                     # rather than /etc/slurm/plugstack.conf
 
 dd if=/dev/urandom of="$DIR/munge/munge.key" bs=1024 count=1 status=none
