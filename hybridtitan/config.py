@@ -26,7 +26,15 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from torchtitan.config import JobConfig as TitanJobConfig
+try:
+    from torchtitan.config import JobConfig as TitanJobConfig
+except ModuleNotFoundError as e:  # torchtitan imports Triton, which a plain `pip install hybridtitan` lacks
+    if e.name != "triton":
+        raise
+    from hybridtitan.cli import fail
+
+    fail("the trainer needs Triton (torchtitan imports it): pip install 'hybridtitan[cpu]' on a CPU machine "
+         "('[cuda]' or '[rocm]' on GPUs)")
 
 from hybridtitan.cli_help import OVERRIDES, help_text, reference_markdown
 from hybridtitan.data.config import Data, validate_data_config

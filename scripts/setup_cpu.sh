@@ -12,7 +12,7 @@ if ! python -c "import hybridtitan, torch, fla, lm_eval, xdist, matplotlib" 2>/d
   echo "setting up .venv (torch 2.13.0 CPU + hybridtitan and its dependencies)..."
   # (the grep drops pip's notes about package-index folders this machine's pip.conf names but lacks)
   python -m pip install -q --disable-pip-version-check torch==2.13.0 2> >(grep -v "is ignored: it is neither" >&2)
-  python -m pip install -q --disable-pip-version-check -c constraints-cpu.txt -e ".[test]" \
+  python -m pip install -q --disable-pip-version-check -c constraints-cpu.txt -e ".[cpu,test]" \
     2> >(grep -v "is ignored: it is neither" >&2)
 fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false

@@ -104,7 +104,14 @@ def fla_config(args: ModelArgs, *, bos_token_id=None, eos_token_id=None, pad_tok
     problem = fla_layout_problem(args)
     if problem:
         raise ConversionError(problem)
-    from fla.models import GatedDeltaNetConfig, KDAConfig  # imported here: FLA takes seconds to import
+    try:
+        from fla.models import GatedDeltaNetConfig, KDAConfig  # imported here: FLA takes seconds to import
+    except ModuleNotFoundError as e:  # FLA's package imports Triton, which a plain `pip install hybridtitan` lacks
+        if e.name != "triton":
+            raise
+        raise ConversionError("FLA's layout needs FLA's config classes, which import Triton: pip install "
+                              "'hybridtitan[cpu]' ('[cuda]' or '[rocm]' on GPUs), or export with --format "
+                              "hybridtitan") from None
 
     m = getattr(args, args.mixer)
     common = dict(
