@@ -26,7 +26,6 @@ import math
 import os
 import time
 import warnings
-from collections.abc import MutableMapping
 from typing import NoReturn
 
 from lm_eval.api.model import TemplateLM
@@ -93,38 +92,6 @@ def _available_memory() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
-
-
-class _LayerState(MutableMapping):
-    """One sublayer's decoding state, as InferenceCache keeps it, but in no dict: FSDP2's pre-forward rebuilds
-    every dict among a sharded module's arguments (``_apply_to_tensors``, casting them for mixed precision), so
-    that what a sublayer wrote to a dict cache would be lost and every decoding step would see an empty one."""
-
-    def __init__(self):
-        self._state: dict = {}
-
-    def __getitem__(self, key):
-        return self._state[key]
-
-    def __setitem__(self, key, value):
-        self._state[key] = value
-
-    def __delitem__(self, key):
-        del self._state[key]
-
-    def __iter__(self):
-        return iter(self._state)
-
-    def __len__(self):
-        return len(self._state)
-
-
-def _inference_cache(n_layers: int):
-    from hybridtitan.models import InferenceCache
-
-    cache = InferenceCache(n_layers)
-    cache.layers = [_LayerState() for _ in range(n_layers)]
-    return cache
 
 
 def _is_collective(model) -> bool:
@@ -196,6 +163,7 @@ class HybridTitanLM(TemplateLM):
             if dist.is_available() and dist.is_initialized():
                 self._world, self._me = dist.get_world_size(group), dist.get_rank(group)
         self._sync = self._world > 1 and self.collective
+        self.progress = True  # progress bars on rank 0 (evaluate_live: none)
 
     # ---- tokenizer
     @property
@@ -287,7 +255,7 @@ class HybridTitanLM(TemplateLM):
         return cap
 
     def _fits(self, batch: int, length: int) -> bool:
-        """Whether a forward (and the log-softmax) of ``batch`` rows of ``length`` tokens runs out of memory."""
+        """Whether a forward (and the log-softmax) of ``batch`` rows of ``length`` tokens fits in memory."""
         import torch
 
         try:
@@ -296,8 +264,8 @@ class HybridTitanLM(TemplateLM):
         except Exception as e:  # noqa: BLE001 -- only out-of-memory is an answer; the rest is raised
             if not _is_oom(e):
                 raise
-        gc.collect()  # the failed forward's tensors went with the exception
-        if self._device.type == "cuda":
+        if self._device.type == "cuda":  # the failed forward's tensors went with the exception: their blocks too
+            gc.collect()
             torch.cuda.empty_cache()
         return False
 
@@ -367,7 +335,8 @@ class HybridTitanLM(TemplateLM):
         order = sorted(range(len(prepared)), key=lambda i: -len(prepared[i][0]))
         batches = self._batches(order, [len(prepared[i][0]) for i in order])
         results: dict[int, tuple[float, bool]] = {}
-        for idx in tqdm(self._share(batches), disable=disable_tqdm or self._me != 0, desc="scoring"):
+        for idx in tqdm(self._share(batches), disable=disable_tqdm or not self.progress or self._me != 0,
+                        desc="scoring"):
             if idx is None:
                 self._dummy_forward()
                 continue
@@ -382,6 +351,9 @@ class HybridTitanLM(TemplateLM):
                 results[i] = (float(picked.sum()), greedy)
         results = self._merge(results)
         return [results[i] for i in range(len(prepared))]
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         results = self._score([(ctx, cont) for _, ctx, cont in requests], disable_tqdm=disable_tqdm)
@@ -400,7 +372,7 @@ class HybridTitanLM(TemplateLM):
                                                max_seq_len=self.max_length, context_len=1):
                 windows.append(make_disjoint_window(w))
                 owner.append(n)
-        scores = self._score(windows, disable_tqdm=disable_tqdm)
+        scores = self._score(windows, disable_tqdm=disable_tqdm or not self.progress)
         totals = [0.0] * len(requests)
         for n, (lp, _) in zip(owner, scores):
             totals[n] += lp
@@ -436,7 +408,7 @@ class HybridTitanLM(TemplateLM):
             jobs += [(members[s: s + size], until, max_new) for s in range(0, len(members), size)]
         out: dict[int, str] = {}
         mine = self._share(jobs)
-        bar = tqdm(total=sum(len(j[0]) for j in mine if j), disable=disable_tqdm or self._me != 0,
+        bar = tqdm(total=sum(len(j[0]) for j in mine if j), disable=disable_tqdm or not self.progress or self._me != 0,
                    desc="generating")
         for job in mine:
             if job is None:
@@ -459,6 +431,8 @@ class HybridTitanLM(TemplateLM):
         with no prompt at all) runs dummy forwards until none does."""
         import torch
 
+        from hybridtitan.models import InferenceCache
+
         B = len(prompts)
         if B == 0:  # this rank's share ran out: its part in the others' forwards
             if self._sync:
@@ -468,7 +442,7 @@ class HybridTitanLM(TemplateLM):
             return []
         lengths = [len(p) for p in prompts]
         common = min(lengths)
-        cache = _inference_cache(len(self.model.layers))
+        cache = InferenceCache(len(self.model.layers))
         eot = self.eot_token_id
         generated: list[list[int]] = [[] for _ in range(B)]
         done = [False] * B
@@ -609,7 +583,7 @@ def flat_metrics(results: dict, prefix: str = "eval") -> dict[str, float]:
 _TASK_MANAGERS: dict[tuple, tuple] = {}
 
 
-def evaluate_live(model, tokenizer, tasks: list[str], *, include_path: str | None = None, limit=None,
+def evaluate_live(model, tokenizer, tasks: list[str] | str, *, include_path: str | None = None, limit=None,
                   num_fewshot: int | None = None, batch_size: int = 8, max_length: int = DEFAULT_MAX_LENGTH,
                   max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, bootstrap_iters: int = 0, device=None,
                   group=None) -> dict[str, float]:
@@ -632,7 +606,7 @@ def evaluate_live(model, tokenizer, tasks: list[str], *, include_path: str | Non
 
     if isinstance(batch_size, str) or int(batch_size) < 1:
         raise EvalError(f"evaluate_live: batch_size must be a positive integer (got {batch_size!r})")
-    names = [t.strip() for t in tasks if t and t.strip()]
+    names = [t.strip() for t in (tasks.split(",") if isinstance(tasks, str) else tasks) if t and t.strip()]
     if not names:
         raise EvalError("evaluate_live: no tasks")
     key = (include_path, tuple(names))
@@ -647,6 +621,7 @@ def evaluate_live(model, tokenizer, tasks: list[str], *, include_path: str | Non
     try:
         lm = HybridTitanLM(model, tokenizer, batch_size=int(batch_size), max_length=max_length,
                            max_gen_toks=max_gen_toks, distributed=distributed, group=group, device=device)
+        lm.progress = False
         with torch.compiler.set_stance("force_eager"):
             results = evaluate(lm, task_names, task_manager, limit=limit, num_fewshot=num_fewshot,
                                batch_size=int(batch_size), device=str(lm.device), bootstrap_iters=bootstrap_iters)

@@ -128,6 +128,16 @@ class MetricsLogger:
             self._record(record)
         return record
 
+    def log_eval(self, step: int, results: dict[str, float], seconds: float) -> dict:
+        """Downstream evaluation at ``step``: ``results`` as {"eval/<task>/<metric>": value}."""
+        record = {"step": step, **results}
+        if self.rank == 0:
+            shown = " | ".join(f"{key.removeprefix('eval/')} {value:.4f}" for key, value in results.items()
+                               if not key.endswith("_stderr"))
+            logger.info(f"eval at step {step} ({seconds:.0f} s): {shown}")
+            self._record(record)
+        return record
+
     def _write(self, r: dict) -> None:
         parts = [f"step {r['step']:>{len(str(self.total_steps))}}/{self.total_steps}", f"loss {r['loss']:.4f}",
                  f"grad_norm {r['grad_norm']:.3f}", f"lr {r['lr']:.2e}",

@@ -79,7 +79,7 @@ def preflight(cfg) -> Plan:
                           f"data-parallel size ({t.local_batch_size} x {dp.size} = {per_step})")
     args = model_args(cfg)
     tokenizer = None
-    if cfg.data.source != "mock":
+    if cfg.data.source != "mock" or cfg.eval.tasks:
         try:
             tokenizer = build_tokenizer(cfg.data.tokenizer)
         except ValueError as e:
@@ -99,12 +99,26 @@ def preflight(cfg) -> Plan:
                                vocab_size=args.vocab_size, eod_mask_loss=t.eod_mask_loss)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if cfg.eval.tasks:
+        check_eval_tasks(cfg)
     start = choose_start(cfg)
     if start is not None:
         check_start(cfg, start, args)
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     return Plan(device, world_size, dp, global_batch // per_step, args, tokenizer, dataloader, seed, start,
                 held_out)
+
+
+def check_eval_tasks(cfg) -> None:
+    """The [eval] tasks exist (lm-eval's, or in eval.include_path): said now, not after hours of training."""
+    from hybridtitan.eval import EvalError, task_manager_for
+
+    if cfg.eval.include_path and not os.path.isdir(cfg.eval.include_path):
+        raise ConfigError(f"eval.include_path: no such folder: {cfg.eval.include_path}")
+    try:
+        task_manager_for(cfg.eval.tasks, cfg.eval.include_path or None)
+    except EvalError as e:
+        raise ConfigError(f"eval.tasks: {e}") from None
 
 
 def choose_start(cfg) -> StartPoint | None:

@@ -314,6 +314,7 @@ class Trainer:
                 if step % t.gc_freq == 0:
                     gc.collect()
                 self.maybe_save(step, due=save_due)
+                self.maybe_evaluate(step)
                 if self.should_stop(step):
                     break
         return self.last_logged
@@ -409,6 +410,23 @@ class Trainer:
         if due or self.reports.stopping:
             last = step == self.cfg.training.steps
             self.checkpointer.save(step, model_only=last and self.cfg.checkpoint.last_save_model_only)
+
+    def maybe_evaluate(self, step: int) -> None:
+        """lm-eval's tasks on the live model after every eval.every_checkpoints-th checkpoint and at the end (not
+        on a stop: the time is the scheduler's), every rank scoring its share; logged as eval/<task>/<metric>."""
+        e, c = self.cfg.eval, self.cfg.checkpoint
+        if not e.tasks or self.reports.stopping:
+            return
+        after_checkpoint = c.enable and step % (c.interval * e.every_checkpoints) == 0
+        if not (after_checkpoint or step == self.cfg.training.steps):
+            return
+        from hybridtitan.eval import evaluate_live
+
+        start = time.perf_counter()
+        results = evaluate_live(self.model, self.plan.tokenizer, e.tasks, include_path=e.include_path or None,
+                                limit=e.limit, num_fewshot=e.num_fewshot, batch_size=e.batch_size,
+                                max_length=self.cfg.training.seq_len, device=self.device)
+        self.metrics.log_eval(step, results, seconds=time.perf_counter() - start)
 
     def should_stop(self, step: int) -> bool:
         if self.reports.stopping:

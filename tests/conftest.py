@@ -34,7 +34,7 @@ def pytest_configure(config):
 # The longest tests (minutes, each a multi-process training run), started first: with `-n 2` (run_tests.sh,
 # pytest-xdist) the short tests then run beside them instead of after them.
 LONGEST_FIRST = ("test_docs.py::test_shell_blocks_run[docs/getting-started.md]",
-                 "test_docs.py::test_shell_blocks_run[README.md]", "test_train.py::test_debug_recipe_trains",
+                 "test_docs.py::test_shell_blocks_run[README.md]", "test_train.py::test_debug_recipe_trains_validates_and_evaluates",
                  "test_checkpoint.py::test_exact_resume_and_reshard")
 
 

@@ -16,14 +16,30 @@ from helpers import QUICK, RECIPE, ROOT, env, losses, records, run_train, state
 from hybridtitan.checkpoint import complete_steps
 
 
-def test_debug_recipe_trains(tmp_path):
-    """The recipe as shipped, on 2 processes: the loss it reports after 200 steps (the mean over its last log
-    window, steps 191-200) is below 60% of the first step's loss."""
+def test_debug_recipe_trains_validates_and_evaluates(tmp_path):
+    """The recipe as shipped, on 2 processes, with lm-eval's local stdlib_mc task evaluated during training:
+    the loss it reports after 200 steps (the mean over its last log window, steps 191-200) is below 60% of the
+    first step's loss, and so is the held-out loss; the accuracy logged at the checkpoints of steps 100 and 200
+    is what python -m hybridtitan.eval gives on them (each rank scored half of the requests)."""
     dump = tmp_path / "run"
-    run_train(dump, "--checkpoint.enable", "false", timeout=1800)
+    run_train(dump, "--eval.tasks", "stdlib_mc", "--eval.include_path", "tests/assets/tasks", timeout=1800)
     loss = losses(dump)
     assert min(loss) == 1 and max(loss) == 200
     assert loss[200] < 0.6 * loss[1], (loss[1], loss[200])
+    held_out = records(dump, "validation/loss")
+    assert sorted(held_out) == [50, 100, 150, 200] and held_out[200]["validation/loss"] < 0.6 * loss[1]
+    evaluated = records(dump, "eval/stdlib_mc/acc")
+    assert sorted(evaluated) == [100, 200]
+    for step in (100, 200):
+        out = tmp_path / f"eval-{step}.json"
+        proc = subprocess.run([sys.executable, "-m", "hybridtitan.eval", "--checkpoint", str(dump / "checkpoint"),
+                               "--step", str(step), "--tasks", "stdlib_mc", "--include_path", "tests/assets/tasks",
+                               "--output_path", str(out)], cwd=ROOT, env=env(), capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results = json.loads(out.read_text())["results"]["stdlib_mc"]
+        for metric in ("acc", "acc_norm"):
+            assert evaluated[step][f"eval/stdlib_mc/{metric}"] == results[f"{metric},none"], (step, metric)
 
 def test_gradient_accumulation_matches_larger_batch(tmp_path):
     """local batch 2 x 2 accumulation steps == local batch 4 (same data, same update, up to rounding)."""

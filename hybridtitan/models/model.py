@@ -11,6 +11,8 @@ to a device with ``to_empty``, then call ``init_weights``.
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
+
 import torch
 import torch.nn as nn
 
@@ -54,13 +56,37 @@ class Sublayer(nn.Module):
         return x + self.body(self.norm(x), cu_seqlens=cu_seqlens, cache=cache, rows=rows)
 
 
+class LayerState(MutableMapping):
+    """One sublayer's decoding state (convolution window, recurrent state, MLA latents), a mapping that is no dict:
+    FSDP2's pre-forward rebuilds every dict among a sharded module's arguments (casting their tensors for mixed
+    precision), so that what a sublayer wrote into a dict would be lost and each decoding step would see none."""
+
+    def __init__(self):
+        self._state: dict = {}
+
+    def __getitem__(self, key):
+        return self._state[key]
+
+    def __setitem__(self, key, value):
+        self._state[key] = value
+
+    def __delitem__(self, key):
+        del self._state[key]
+
+    def __iter__(self):
+        return iter(self._state)
+
+    def __len__(self):
+        return len(self._state)
+
+
 class InferenceCache:
     """Per-sublayer state for decoding: convolution windows, recurrent states, MLA latents."""
 
     def __init__(self, n_layers: int):
-        self.layers: list[dict] = [{} for _ in range(n_layers)]
+        self.layers: list[LayerState] = [LayerState() for _ in range(n_layers)]
 
-    def layer(self, i: int) -> dict:
+    def layer(self, i: int) -> LayerState:
         return self.layers[i]
 
     def reorder(self, index: torch.Tensor) -> None:
