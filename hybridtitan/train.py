@@ -186,8 +186,10 @@ class StopRequest:
             signal.signal(sig, self._handler)
 
     def _handler(self, signum, frame):
-        if self.requested:  # a second signal: stop now
+        if self.requested and signum == signal.SIGINT:  # a second Ctrl-C: stop now
             raise KeyboardInterrupt
+        if self.requested:  # a second SIGTERM (a scheduler and torchrun both pass it on): the save is coming
+            return
         self.requested = True
         logger.warning(f"signal {signum}: saving a checkpoint after this step or the next, then stopping")
 
@@ -219,8 +221,9 @@ class Trainer:
         on_gpu = self.device.type == "cuda"
         if not on_gpu and t.mixed_precision_param != "float32":
             logger.info("CPU: parameters and activations in float32 (training.mixed_precision_param applies to GPUs)")
+        self.mesh = build_mesh(plan.dp, self.device.type)
         self.model = build_parallel_model(
-            args, build_mesh(plan.dp, self.device.type), self.device,
+            args, self.mesh, self.device,
             kernels=ops.Kernels(kernel_config(cfg, self.device)), ac_mode=cfg.activation_checkpoint.mode,
             ac_every=selective_ac_interval(cfg), compile_model=compiles(cfg, "model"),
             param_dtype=getattr(torch, t.mixed_precision_param) if on_gpu else torch.float32,
@@ -300,7 +303,7 @@ class Trainer:
                 self.state.step = step
                 result = self.train_step()
                 if step == self.start_step + 1:  # start-up is over: a collective now waits train_timeout_seconds
-                    set_collective_timeout(self.cfg.comm.train_timeout_seconds)
+                    set_collective_timeout(self.cfg.comm.train_timeout_seconds, self.mesh)
                 self.window.add(result)
                 if prof is not None:
                     prof.step()
@@ -502,10 +505,13 @@ def init_distributed(device: torch.device, timeout_seconds: int) -> None:
     dist.init_process_group(**kwargs)
 
 
-def set_collective_timeout(seconds: int) -> None:
-    """The time any collective of the default group may wait from now on (torch's own setter, as torchtitan's
-    trainer uses it). A rank that stops answering then ends the others within it: the scheduler can requeue."""
-    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), None)
+def set_collective_timeout(seconds: int, mesh) -> None:
+    """The time any collective may wait from now on, in the default group and in each of the mesh's (FSDP's and
+    HSDP's own collectives run there), with torch's own setter as torchtitan's trainer uses it. A rank that stops
+    answering then ends the others within it: the scheduler can requeue."""
+    timeout = datetime.timedelta(seconds=seconds)
+    for group in [None, *(mesh.get_group(dim) for dim in range(mesh.ndim))]:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def _quiet_known_warnings() -> None:
