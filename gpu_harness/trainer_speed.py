@@ -195,9 +195,26 @@ def start_batch(args, case: Case, recipe: str) -> int:
     return min(batch, CPU_MAX_BATCH) if args.device == "cpu" else batch
 
 
-def trainer_settings(args, case: Case, batch: int, dump: str) -> dict:
-    """The trainer's overrides for one run: the case's over mock data, then what the measurement needs."""
-    settings = {"data.source": "mock", **case.overrides}
+def recipe_sections(recipe: str) -> set[str]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    with open(recipe, "rb") as f:
+        return set(tomllib.load(f))
+
+
+def trainer_settings(args, case: Case, batch: int, dump: str, recipe: str) -> dict:
+    """The trainer's overrides for one run: the case's over mock data, then what the measurement needs (the
+    step alone: no validation or evaluation, switched off only where the recipe has them, so that a tree from
+    before those sections takes the same command)."""
+    settings = {"data.source": "mock"}
+    sections = recipe_sections(recipe)
+    if "validation" in sections:
+        settings["validation.enable"] = "false"
+    if "eval" in sections:
+        settings["eval.tasks"] = ""  # a comma-separated list: empty is none
+    settings.update(case.overrides)
     flavor = TINY_FLAVOR.get(case.flavor, case.flavor) if args.device == "cpu" else case.flavor
     settings["model.flavor"] = flavor
     if args.device == "cpu":
@@ -331,7 +348,7 @@ def measures(records: list[dict], warmup: int, described: dict, matmul_flops: fl
 def run_once(args, case: Case, tree: str, batch: int, run_dir: str, matmul_flops: float | None) -> dict:
     """One run of the trainer at ``batch``: its row (status OK, OOM, FAIL or TIMEOUT)."""
     recipe = recipe_for(args, case, tree)
-    settings = trainer_settings(args, case, batch, os.path.join(run_dir, "dump"))
+    settings = trainer_settings(args, case, batch, os.path.join(run_dir, "dump"), recipe)
     row = {"local_batch": batch, "global_batch": int(settings["training.global_batch_size"]),
            "flavor": settings["model.flavor"], "recipe": recipe, "log": os.path.join(run_dir, "train.log")}
     if args.simulate_oom_above is not None and batch > args.simulate_oom_above:

@@ -79,7 +79,9 @@ def preflight(cfg) -> Plan:
                           f"data-parallel size ({t.local_batch_size} x {dp.size} = {per_step})")
     args = model_args(cfg)
     tokenizer = None
-    if cfg.data.source != "mock" or cfg.eval.tasks:
+    needs_tokenizer = cfg.data.source != "mock" or cfg.eval.tasks or (
+        cfg.validation.enable and cfg.validation.data.source != "mock")
+    if needs_tokenizer:
         try:
             tokenizer = build_tokenizer(cfg.data.tokenizer)
         except ValueError as e:

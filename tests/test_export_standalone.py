@@ -11,7 +11,7 @@ Two levels:
   hybridtitan, no FLA), AutoModelForCausalLM / AutoTokenizer with trust_remote_code=True, for debug_hybrid and
   debug_mamba2: logits and greedy generate() tokens against HybridLM here. The processes exchange files.
 
-The environment takes about two minutes to make on a 2-core machine (pip, from the local wheel and package
+The environment takes about a minute to make on a 2-core machine (pip, from the local wheel and package
 mirrors); HYBRIDTITAN_STANDALONE_PYTHON=/path/to/python reuses one made before (it must lack hybridtitan and FLA:
 the test checks).
 """
@@ -355,8 +355,8 @@ def _make_venv(path: Path) -> Path:
     subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, timeout=300)
     python = path / "bin" / "python"
     for args in (["torch==2.13.0"], ["-c", str(REPO / "constraints-cpu.txt"), "transformers", "safetensors"]):
-        proc = subprocess.run([str(python), "-m", "pip", "install", "-q", *args], capture_output=True, text=True,
-                              timeout=900, cwd=path)
+        proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-compile", *args], capture_output=True,
+                              text=True, timeout=900, cwd=path)
         assert proc.returncode == 0, f"pip install {' '.join(args)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
     return python
 

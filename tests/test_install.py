@@ -16,8 +16,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _pip(python: Path, *args: str) -> None:
-    proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
-                          capture_output=True, text=True, timeout=1800, cwd=REPO)
+    # --no-compile: no bytecode for all of torch at install time (only what runs gets compiled, on import)
+    proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile",
+                           *args], capture_output=True, text=True, timeout=1800, cwd=REPO)
     assert proc.returncode == 0, f"pip install {' '.join(args)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
 
 

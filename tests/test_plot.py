@@ -132,26 +132,32 @@ def _check_png(path: Path, min_bytes: int = 20_000):
 
 
 def test_real_tiny_run(tmp_path, capsys):
-    """A 6-step run of the trainer, plotted by the CLI beside a fake run with validation records."""
+    """A 6-step run of the trainer (the debug recipe's validation every 3 steps and at the end, 2 batches each),
+    plotted by the CLI beside a fake run."""
     dump = tmp_path / "real"
     cmd = [sys.executable, "-m", "hybridtitan.train", "--job.config_file", "train_configs/debug_hybrid.toml",
            "--training.steps", "6", "--training.seq_len", "64", "--training.local_batch_size", "2",
            "--training.global_batch_size", "2", "--metrics.log_freq", "1", "--metrics.enable_tensorboard",
-           "false", "--checkpoint.enable", "false", "--job.dump_folder", str(dump)]
+           "false", "--checkpoint.enable", "false", "--validation.freq", "3", "--validation.steps", "2",
+           "--job.dump_folder", str(dump)]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    lines = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in lines if "loss" in r]
+    validated = [r for r in lines if "validation/loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6] and [r["step"] for r in validated] == [3, 6]
 
     run = plot_mod.load_run(str(dump))
     assert run.label == "debug_hybrid: debug hybrid (*-M-M-*-) on the shipped corpus" and run.max_norm == 1.0
     fig = plot_mod.plot([run], x="tokens")
     axes = {ax.get_title(loc="left"): ax for ax in fig.axes}
-    assert TITLES["validation/loss"] not in axes and len(axes) == 4  # no validation records
+    assert len(axes) == 5
     for key in ("loss", "lr", "grad_norm", "tokens_per_sec_per_device"):
         (line,) = _lines(axes[TITLES[key]], run.label)
         assert list(line.get_xdata()) == [r["tokens_seen"] for r in records]
         assert np.allclose(line.get_ydata(), [r[key] for r in records])
+    (line,) = _lines(axes[TITLES["validation/loss"]], run.label)
+    assert np.allclose(line.get_ydata(), [r["validation/loss"] for r in validated])
 
     fake_run(tmp_path / "fake", flavor="gdn_300M", description="a fake run", validation_every=50)
     out = tmp_path / "curves.png"

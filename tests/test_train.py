@@ -17,17 +17,20 @@ from hybridtitan.checkpoint import complete_steps
 
 
 def test_debug_recipe_trains_validates_and_evaluates(tmp_path):
-    """The recipe as shipped, on 2 processes, with lm-eval's local stdlib_mc task evaluated during training:
-    the loss it reports after 200 steps (the mean over its last log window, steps 191-200) is below 60% of the
-    first step's loss, and so is the held-out loss; the accuracy logged at the checkpoints of steps 100 and 200
-    is what python -m hybridtitan.eval gives on them (each rank scored half of the requests)."""
+    """The recipe's schedule (200 steps, validation every 50, checkpoints at 100 and 200) on 2 processes, at an
+    eighth of its tokens per step (seq_len 128, global batch 4) to keep the suite quick, with lm-eval's local
+    stdlib_mc task evaluated during training: the loss it reports after 200 steps (the mean over its last log
+    window, steps 191-200) is below 75% of the first step's loss, and so is the held-out loss; the accuracy
+    logged at the checkpoints of steps 100 and 200 is what python -m hybridtitan.eval gives on them (each rank
+    scored half of the requests)."""
     dump = tmp_path / "run"
-    run_train(dump, "--eval.tasks", "stdlib_mc", "--eval.include_path", "tests/assets/tasks", timeout=1800)
+    run_train(dump, "--training.seq_len", "128", "--training.local_batch_size", "2", "--training.global_batch_size",
+              "4", "--eval.tasks", "stdlib_mc", "--eval.include_path", "tests/assets/tasks", timeout=1800)
     loss = losses(dump)
     assert min(loss) == 1 and max(loss) == 200
-    assert loss[200] < 0.6 * loss[1], (loss[1], loss[200])
+    assert loss[200] < 0.75 * loss[1], (loss[1], loss[200])
     held_out = records(dump, "validation/loss")
-    assert sorted(held_out) == [50, 100, 150, 200] and held_out[200]["validation/loss"] < 0.6 * loss[1]
+    assert sorted(held_out) == [50, 100, 150, 200] and held_out[200]["validation/loss"] < 0.75 * loss[1]
     evaluated = records(dump, "eval/stdlib_mc/acc")
     assert sorted(evaluated) == [100, 200]
     for step in (100, 200):
