@@ -29,9 +29,11 @@ def env() -> dict:
 
 def run_train(dump: Path, *extra: str, nproc: int = 2, check: bool = True, timeout: int = 600,
               recipe: str = RECIPE):
-    """torchrun --standalone with ``nproc`` processes of ``python -m hybridtitan.train`` on the debug recipe."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "hybridtitan.train", "--job.config_file", recipe, "--job.dump_folder", str(dump), *extra]
+    """``python -m hybridtitan.train`` on the debug recipe: under torchrun --standalone with ``nproc`` processes,
+    or alone for nproc=1 (one process fewer to start: torchrun's agent)."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    cmd = [sys.executable, *launcher, "-m", "hybridtitan.train", "--job.config_file", recipe, "--job.dump_folder",
+           str(dump), *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

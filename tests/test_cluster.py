@@ -147,9 +147,9 @@ def copy_step(src: Path, step: int, dump: Path) -> None:
 
 def test_two_nodes_equal_one_node_and_checkpoints_change_layout(tmp_path):
     """HSDP 2 x 2 over two launchers (replicas across the "nodes", shards within) gives the losses of one launcher of
-    4 ranks with the same layout, exactly. Its step-2 checkpoint resumes as 4-way FSDP on one node, and that run's
-    step-4 checkpoint as 2 x 2 HSDP on two nodes: each loads the model and optimizer bit for bit, so its first step's
-    loss equals the saving layout's; later steps differ only in the order of the gradient reductions' sums."""
+    4 ranks with the same layout, exactly. Its step-2 checkpoint resumes as 4-way FSDP on one node: the model and
+    optimizer load bit for bit, so the first step's loss equals the saving layout's; later steps differ only in the
+    order of the gradient reductions' sums."""
     common = [*QUICKER, "--training.global_batch_size", "8", "--training.steps", "5", "--checkpoint.interval", "2"]
     two, one = tmp_path / "two_nodes", tmp_path / "one_node"
     out = train(two, *common, *HSDP, nodes=2)
@@ -169,14 +169,6 @@ def test_two_nodes_equal_one_node_and_checkpoints_change_layout(tmp_path):
     assert b[3] == a[3]  # the loaded weights, on the same data
     for step in (4, 5):
         assert abs(b[step] - a[step]) <= 1e-5 * a[step], (step, a[step], b[step])
-
-    # 4-way FSDP (one node) -> 2 x 2 HSDP (two nodes), from step 4
-    hsdp = tmp_path / "hsdp"
-    copy_step(fsdp, 4, hsdp)
-    out = train(hsdp, *common, *HSDP, nodes=2, resumed_state=tmp_path / "hsdp.pt")
-    assert "data parallel replicate 2 x shard 2" in out
-    assert_resumed_exactly(tmp_path / "hsdp.pt", fsdp / "checkpoint" / "step-4", tmp_path)
-    assert losses(hsdp) == {5: b[5]}
 
 
 def test_a_killed_rank_restarts_the_group_which_resumes(tmp_path):

@@ -13,10 +13,15 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-# what "fewer steps" means: each --training.steps N becomes N // 5 (at least 2); the quickstart trains 4 steps;
-# the test command collects the suite instead of running it inside itself (CI runs it)
+# what "fewer steps" means: each --training.steps N becomes N // 5 (at least 2), the debug recipe's trainer runs
+# at a quarter of its sequence and half its batch; the quickstart trains 4 such steps; the test command collects
+# the suite instead of running it inside itself (CI runs it)
+SMALL = "--training.seq_len 128 --training.local_batch_size 2 --training.global_batch_size 4"
 TINY = [(re.compile(r"--training\.steps (\d+)"), lambda m: f"--training.steps {max(2, int(m.group(1)) // 5)}"),
-        (re.compile(r"^bash scripts/quickstart\.sh$", re.M), lambda m: "bash scripts/quickstart.sh --training.steps 4"),
+        (re.compile(r"(-m hybridtitan\.train --job\.config_file train_configs/debug_hybrid\.toml)"),
+         lambda m: f"{m.group(1)} {SMALL}"),
+        (re.compile(r"^bash scripts/quickstart\.sh$", re.M),
+         lambda m: f"bash scripts/quickstart.sh --training.steps 4 {SMALL}"),
         (re.compile(r"^bash scripts/run_tests\.sh$", re.M), lambda m: "bash scripts/run_tests.sh --collect-only -q")]
 
 

@@ -18,7 +18,7 @@ TASKS = Path(__file__).resolve().parent / "assets" / "tasks"
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory) -> dict[str, Path]:
-    return train_debug_checkpoints(tmp_path_factory.getbasetemp() / "hybridtitan_debug_dumps")
+    return train_debug_checkpoints(tmp_path_factory)
 
 
 def _run_eval(capsys, argv) -> str:

@@ -123,7 +123,7 @@ from test_export_hf import train_debug_checkpoints  # noqa: E402 -- the session'
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory) -> dict[str, Path]:
-    return train_debug_checkpoints(tmp_path_factory.getbasetemp() / "hybridtitan_debug_dumps")
+    return train_debug_checkpoints(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

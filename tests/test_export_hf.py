@@ -34,28 +34,38 @@ def run_cli(*args: str, **popen) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, **popen)
 
 
-def train_debug_checkpoints(base: Path) -> dict[str, Path]:
+def train_debug_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """A dump folder per debug flavor, trained for STEPS steps by `python -m hybridtitan.train` (the four runs in
-    parallel), once per session: another test module calling this with the same base reuses them."""
-    dumps = {f: base / f for f in FLAVORS}
-    todo = [f for f in FLAVORS if not (dumps[f] / "checkpoint" / f"step-{STEPS}" / ".metadata").is_file()]
-    procs = {}
-    for f in todo:
-        shutil.rmtree(dumps[f], ignore_errors=True)
-        procs[f] = run_cli(
-            "hybridtitan.train", "--job.config_file", "train_configs/debug_hybrid.toml", "--model.flavor", f,
-            "--training.steps", str(STEPS), "--checkpoint.interval", str(STEPS), "--job.dump_folder", str(dumps[f]),
-            "--training.local_batch_size", "2", "--training.global_batch_size", "2", "--training.seq_len", "64",
-            "--metrics.no-enable_tensorboard", "--metrics.log_freq", "1", "--validation.enable", "false")
-    for f, p in procs.items():
-        out, err = p.communicate(timeout=600)
-        assert p.returncode == 0, f"training {f} failed:\n{(out + err)[-4000:]}"
+    parallel), once per session: under pytest-xdist in the session's folder shared by the workers (the first
+    worker trains, under a file lock, the others wait and reuse), so any test module may call this."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-N/, the parent of every worker's popen-gwK/
+    base = root / "hybridtitan_debug_dumps"
+    base.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(base) + ".lock"):
+        dumps = {f: base / f for f in FLAVORS}
+        todo = [f for f in FLAVORS if not (dumps[f] / "checkpoint" / f"step-{STEPS}" / ".metadata").is_file()]
+        procs = {}
+        for f in todo:
+            shutil.rmtree(dumps[f], ignore_errors=True)
+            procs[f] = run_cli(
+                "hybridtitan.train", "--job.config_file", "train_configs/debug_hybrid.toml", "--model.flavor", f,
+                "--training.steps", str(STEPS), "--checkpoint.interval", str(STEPS), "--job.dump_folder",
+                str(dumps[f]), "--training.local_batch_size", "2", "--training.global_batch_size", "2",
+                "--training.seq_len", "64", "--metrics.no-enable_tensorboard", "--metrics.log_freq", "1",
+                "--validation.enable", "false")
+        for f, p in procs.items():
+            out, err = p.communicate(timeout=600)
+            assert p.returncode == 0, f"training {f} failed:\n{(out + err)[-4000:]}"
     return dumps
 
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory) -> dict[str, Path]:
-    return train_debug_checkpoints(tmp_path_factory.getbasetemp() / "hybridtitan_debug_dumps")
+    return train_debug_checkpoints(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

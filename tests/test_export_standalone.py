@@ -39,7 +39,7 @@ STDLIB = {"__future__", "dataclasses", "functools", "inspect", "math", "os", "sh
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory) -> dict[str, Path]:
-    return train_debug_checkpoints(tmp_path_factory.getbasetemp() / "hybridtitan_debug_dumps")
+    return train_debug_checkpoints(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

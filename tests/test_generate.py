@@ -25,7 +25,7 @@ NEW = 12
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory) -> dict[str, Path]:
-    return train_debug_checkpoints(tmp_path_factory.getbasetemp() / "hybridtitan_debug_dumps")
+    return train_debug_checkpoints(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

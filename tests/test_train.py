@@ -33,13 +33,12 @@ def test_debug_recipe_trains_validates_and_evaluates(tmp_path):
     assert sorted(held_out) == [50, 100, 150, 200] and held_out[200]["validation/loss"] < 0.75 * loss[1]
     evaluated = records(dump, "eval/stdlib_mc/acc")
     assert sorted(evaluated) == [100, 200]
+    from hybridtitan.eval import main as evaluate_checkpoint  # the CLI's entry point, in this process
+
     for step in (100, 200):
         out = tmp_path / f"eval-{step}.json"
-        proc = subprocess.run([sys.executable, "-m", "hybridtitan.eval", "--checkpoint", str(dump / "checkpoint"),
-                               "--step", str(step), "--tasks", "stdlib_mc", "--include_path", "tests/assets/tasks",
-                               "--output_path", str(out)], cwd=ROOT, env=env(), capture_output=True, text=True,
-                              timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        evaluate_checkpoint(["--checkpoint", str(dump / "checkpoint"), "--step", str(step), "--tasks", "stdlib_mc",
+                             "--include_path", str(ROOT / "tests" / "assets" / "tasks"), "--output_path", str(out)])
         results = json.loads(out.read_text())["results"]["stdlib_mc"]
         for metric in ("acc", "acc_norm"):
             assert evaluated[step][f"eval/stdlib_mc/{metric}"] == results[f"{metric},none"], (step, metric)
