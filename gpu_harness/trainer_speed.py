@@ -176,13 +176,17 @@ def recipe_for(args, case: Case, tree: str) -> str:
     return args.recipe or os.path.join(tree, "train_configs", f"{case.flavor}.toml")
 
 
-def recipe_local_batch(recipe: str) -> int | None:
+def read_recipe(recipe: str) -> dict:
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib
     with open(recipe, "rb") as f:
-        value = tomllib.load(f).get("training", {}).get("local_batch_size")
+        return tomllib.load(f)
+
+
+def recipe_local_batch(recipe: str) -> int | None:
+    value = read_recipe(recipe).get("training", {}).get("local_batch_size")
     return int(value) if value is not None else None
 
 
@@ -195,21 +199,12 @@ def start_batch(args, case: Case, recipe: str) -> int:
     return min(batch, CPU_MAX_BATCH) if args.device == "cpu" else batch
 
 
-def recipe_sections(recipe: str) -> set[str]:
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
-    with open(recipe, "rb") as f:
-        return set(tomllib.load(f))
-
-
 def trainer_settings(args, case: Case, batch: int, dump: str, recipe: str) -> dict:
     """The trainer's overrides for one run: the case's over mock data, then what the measurement needs (the
     step alone: no validation or evaluation, switched off only where the recipe has them, so that a tree from
     before those sections takes the same command)."""
     settings = {"data.source": "mock"}
-    sections = recipe_sections(recipe)
+    sections = read_recipe(recipe)
     if "validation" in sections:
         settings["validation.enable"] = "false"
     if "eval" in sections:

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,9 +147,14 @@ def test_resume_with_parts_left_out_steps_at_the_schedules_rate(tmp_path, capsys
     ref = lrs(straight)
     assert len({ref[1], ref[2], ref[5]}) == 3
 
-    def resumed(name: str, *extra: str, check: bool = True):
+    def from_step_4(name: str) -> Path:
+        """A new dump folder holding the straight run's step-4 checkpoint."""
         dump = tmp_path / name
         shutil.copytree(straight / "checkpoint" / "step-4", dump / "checkpoint" / "step-4")
+        return dump
+
+    def resumed(name: str, *extra: str, check: bool = True):
+        dump = from_step_4(name)
         return dump, run_train(dump, *args, *extra, nproc=1, check=check)
 
     dump, _ = resumed("new_schedule", "--checkpoint.exclude_from_loading", "lr_scheduler")
@@ -157,9 +163,8 @@ def test_resume_with_parts_left_out_steps_at_the_schedules_rate(tmp_path, capsys
     assert [lrs(dump)[5], lrs(dump)[6]] == [pytest.approx(ref[5]), pytest.approx(ref[6])]
     # the refusals, by the trainer's entry point in this process (they come before any training)
     def refused(name: str, *extra: str) -> str:
-        dump = tmp_path / name
-        shutil.copytree(straight / "checkpoint" / "step-4", dump / "checkpoint" / "step-4")
-        code, err = main_error(capsys, ["--job.config_file", RECIPE, "--job.dump_folder", str(dump), *args, *extra])
+        code, err = main_error(capsys, ["--job.config_file", RECIPE, "--job.dump_folder", str(from_step_4(name)),
+                                        *args, *extra])
         assert code == 2 and len(err.splitlines()) == 1, err
         return err
 
