@@ -60,11 +60,12 @@ def model_args_to_dict(args: ModelArgs) -> dict:
 
 
 def model_args_from_dict(d: dict) -> ModelArgs:
-    from hybridtitan.models import GDNArgs, KDAArgs, Mamba2Args, MLAArgs
+    from hybridtitan.models import GDNArgs, GQAArgs, KDAArgs, Mamba2Args, MLAArgs
 
     d = dict(d)
-    for key, cls in (("gdn", GDNArgs), ("kda", KDAArgs), ("mamba2", Mamba2Args), ("mla", MLAArgs)):
-        d[key] = cls(**d[key])
+    for key, cls in (("gdn", GDNArgs), ("kda", KDAArgs), ("mamba2", Mamba2Args), ("mla", MLAArgs), ("gqa", GQAArgs)):
+        if key in d:  # (a checkpoint older than a kind of sublayer holds none of its sizes: the defaults)
+            d[key] = cls(**d[key])
     return ModelArgs(**d)
 
 

@@ -48,7 +48,7 @@ OVERRIDES = {
     "debug.seed": (None, "Base seed of the initial weights, the data order and the RNGs (None: 42)"),
 }
 
-MODEL_SUBSECTIONS = ("gdn", "kda", "mamba2", "mla")
+MODEL_SUBSECTIONS = ("gdn", "kda", "mamba2", "mla", "gqa")
 
 
 def _field_docs(cls) -> dict[str, str]:
@@ -142,9 +142,9 @@ def _subsection(prefix: str, cls, defaults):
 
 
 def _model_subsection(name: str, overrides_cls):
-    from hybridtitan.models import GDNArgs, KDAArgs, Mamba2Args, MLAArgs
+    from hybridtitan.models import GDNArgs, GQAArgs, KDAArgs, Mamba2Args, MLAArgs
 
-    args_cls = {"gdn": GDNArgs, "kda": KDAArgs, "mamba2": Mamba2Args, "mla": MLAArgs}[name]
+    args_cls = {"gdn": GDNArgs, "kda": KDAArgs, "mamba2": Mamba2Args, "mla": MLAArgs, "gqa": GQAArgs}[name]
     docs = _field_docs(args_cls)
     hints = typing.get_type_hints(overrides_cls)
     return [(f"model.{name}.{f.name}", _type_text(hints[f.name]), "the flavor's", docs.get(f.name, ""))

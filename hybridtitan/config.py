@@ -38,7 +38,7 @@ except ModuleNotFoundError as e:  # torchtitan imports Triton, which a plain `pi
 
 from hybridtitan.cli_help import OVERRIDES, help_text, reference_markdown
 from hybridtitan.data.config import Data, validate_data_config
-from hybridtitan.models import GDNArgs, KDAArgs, Mamba2Args, MLAArgs, ModelArgs, get_flavor
+from hybridtitan.models import GDNArgs, GQAArgs, KDAArgs, Mamba2Args, MLAArgs, ModelArgs, get_flavor
 from hybridtitan.models.pattern import pattern_from_ratio
 
 
@@ -61,6 +61,7 @@ GDNOverrides = _overrides_of(GDNArgs, "Gated DeltaNet sizes; unset keys keep the
 KDAOverrides = _overrides_of(KDAArgs, "Kimi Delta Attention sizes; unset keys keep the flavor's")
 Mamba2Overrides = _overrides_of(Mamba2Args, "Mamba2 sizes; unset keys keep the flavor's")
 MLAOverrides = _overrides_of(MLAArgs, "Multi-latent attention sizes and RoPE/YaRN; unset keys keep the flavor's")
+GQAOverrides = _overrides_of(GQAArgs, "Grouped-query attention sizes and RoPE; unset keys keep the flavor's")
 
 
 @dataclass
@@ -79,6 +80,9 @@ class Model:
 
     mixer: str | None = None
     """The 'M' sublayer: gdn, kda or mamba2"""
+
+    attention: str | None = None
+    """The '*' sublayer: mla (multi-latent attention) or gqa (grouped-query attention, Llama's)"""
 
     n_layers: int | None = None
     """Number of sublayers (the pattern's length)"""
@@ -105,6 +109,7 @@ class Model:
     kda: KDAOverrides = field(default_factory=KDAOverrides)
     mamba2: Mamba2Overrides = field(default_factory=Mamba2Overrides)
     mla: MLAOverrides = field(default_factory=MLAOverrides)
+    gqa: GQAOverrides = field(default_factory=GQAOverrides)
 
 
 @dataclass
@@ -187,6 +192,30 @@ class Eval:
 
 
 @dataclass
+class Distill:
+    teacher: str = ""
+    """The frozen teacher: a Hugging Face folder (a Llama, say) or a hybridtitan checkpoint (step, checkpoint or
+    dump folder), of the student's vocabulary and tokenizer. Empty: no distillation, the cross-entropy alone"""
+
+    kl_weight: float = 1.0
+    """Weight of the KL divergence of the student's next-token distributions from the teacher's (times T^2)"""
+
+    ce_weight: float = 0.0
+    """Weight of the student's cross-entropy on the data"""
+
+    layer_weight: float = 0.0
+    """Weight of layer distillation: per block (a token-mixing sublayer and the MLPs after it), fed the teacher's
+    stream, the L2 distance of its output and of its mixing sublayer's output from the teacher's (Zebra-Llama's
+    ILD); the teacher and student must have the same sublayer structure"""
+
+    temperature: float = 1.0
+    """Softmax temperature T of the KL (FLA's fused kernel on GPUs takes only 1)"""
+
+    chunk_size: int = 1024
+    """Tokens per chunk of the KL (its extra memory is about five float32 chunks of both models' logits)"""
+
+
+@dataclass
 class _Extension:
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
@@ -194,6 +223,7 @@ class _Extension:
     data: Data = field(default_factory=Data)
     validation: Validation = field(default_factory=Validation)
     eval: Eval = field(default_factory=Eval)
+    distill: Distill = field(default_factory=Distill)
 
 
 def merge_sections(base, extension, name: str = "JobConfig"):
@@ -539,9 +569,18 @@ def validate(cfg, check_data: bool = True) -> None:
             ("validation.seq_len", v.seq_len, v.seq_len is None or v.seq_len >= 1, "1 or more (or unset)"),
             ("eval.every_checkpoints", cfg.eval.every_checkpoints, cfg.eval.every_checkpoints >= 1, "1 or more"),
             ("eval.batch_size", cfg.eval.batch_size, cfg.eval.batch_size >= 1, "1 or more"),
-            ("eval.limit", cfg.eval.limit, cfg.eval.limit is None or cfg.eval.limit > 0, "positive (or unset)")):
+            ("eval.limit", cfg.eval.limit, cfg.eval.limit is None or cfg.eval.limit > 0, "positive (or unset)"),
+            ("distill.temperature", cfg.distill.temperature, cfg.distill.temperature > 0, "positive"),
+            ("distill.chunk_size", cfg.distill.chunk_size, cfg.distill.chunk_size >= 1, "1 or more")):
         if not ok:
             raise ConfigError(f"{key} must be {wanted}, got {value}")
+    d = cfg.distill
+    weights = {"kl_weight": d.kl_weight, "ce_weight": d.ce_weight, "layer_weight": d.layer_weight}
+    for name, value in weights.items():
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"distill.{name} must be 0 or more, got {value}")
+    if d.teacher and not any(weights.values()):
+        raise ConfigError("distill: kl_weight, ce_weight and layer_weight are all 0: nothing would be learned")
     if cfg.model.name != "hybrid":
         raise ConfigError(f"model.name must be 'hybrid', got {cfg.model.name!r}")
     try:
@@ -604,9 +643,9 @@ def model_args(cfg) -> ModelArgs:
     m = cfg.model
     base = get_flavor(m.flavor)
     changes = {name: getattr(m, name) for name in
-               ("mixer", "n_layers", "dim", "ffn_dim", "vocab_size", "tie_embeddings", "norm_eps", "init_std",
-                "hybrid_attention_ratio") if getattr(m, name) is not None}
-    for sub in ("gdn", "kda", "mamba2", "mla"):
+               ("mixer", "attention", "n_layers", "dim", "ffn_dim", "vocab_size", "tie_embeddings", "norm_eps",
+                "init_std", "hybrid_attention_ratio") if getattr(m, name) is not None}
+    for sub in ("gdn", "kda", "mamba2", "mla", "gqa"):
         sub_over = {k: v for k, v in dataclasses.asdict(getattr(m, sub)).items() if v is not None}
         if sub_over:
             changes[sub] = dataclasses.replace(getattr(base, sub), **sub_over)
@@ -634,8 +673,8 @@ DEFAULT_SIZES_DIM = 1024
 
 def _refuse_default_sizes(m, base: ModelArgs, args: ModelArgs) -> None:
     new = []
-    if "*" in args.pattern and "*" not in base.pattern:
-        new.append(("mla", "attention"))
+    if "*" in args.pattern and ("*" not in base.pattern or args.attention != base.attention):
+        new.append((args.attention, "attention" if args.attention == "mla" else f"{args.attention} attention"))
     if "M" in args.pattern and (args.mixer != base.mixer or "M" not in base.pattern):
         new.append((args.mixer, f"{args.mixer} mixers"))
     for section, what in new:

@@ -22,7 +22,13 @@ from hybridtitan.config import (
     selective_ac_interval,
 )
 from hybridtitan.models import FLAVORS
-from hybridtitan.models.flops import flops_per_token, param_counts, sublayer_flops, sublayer_params
+from hybridtitan.models.flops import (
+    flops_per_token,
+    mamba2_conv_channels,
+    param_counts,
+    sublayer_flops,
+    sublayer_params,
+)
 from hybridtitan.parallel import reshard_after_forward_for
 
 GIB = 2**30
@@ -34,6 +40,9 @@ def activation_elements_per_token(args, kind: str) -> int:
     d = args.dim
     if kind == "mlp":  # gate and up; silu(gate) * up is formed again in the backward (ops.swiglu_linear)
         return 2 * d + 2 * args.ffn_dim
+    if kind == "attention" and args.attention == "gqa":  # q, k, v before and after RoPE, the attention output
+        g = args.gqa
+        return 2 * d + 2 * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim + g.num_heads * g.head_dim
     if kind == "attention":
         a = args.mla
         qk = a.qk_nope_head_dim + a.qk_rope_head_dim
@@ -45,10 +54,50 @@ def activation_elements_per_token(args, kind: str) -> int:
         kd, vd = g.num_heads * g.head_dim, v_heads * g.head_v_dim
         gate = v_heads if args.mixer == "gdn" else kd
         return 2 * d + 2 * (2 * kd + vd) + 2 * gate + 4 * vd
-    m = args.mamba2
-    inner = d * m.expand
-    conv = inner + 2 * m.n_groups * m.d_state
+    inner = d * args.mamba2.expand
+    conv = mamba2_conv_channels(args)
     return 2 * d + (2 * inner + conv) + conv + 3 * inner
+
+
+def teacher_estimate(cfg, args, tokens: int, param_bytes: int) -> dict:
+    """What a distillation teacher ([distill]) adds to a device's memory, and the step's FLOPs with it: its 16-bit
+    parameters sharded (the root's embedding, final norm and output layer gathered and kept, as FSDP leaves a root
+    after a forward without backward), the copy of its output weight and its final hidden states the KL reads,
+    one MLP's activations of its forward at a time, its residual stream at every sublayer for layer distillation,
+    and the KL's chunks in place of the cross-entropy's: on GPUs at temperature 1 FLA's (both models' 16-bit
+    logits of a chunk of the tokens split in up to 8, and the float32 gradient of the output weight), else five
+    float32 chunks and two 16-bit ones of distill.chunk_size tokens. {} without a teacher."""
+    d = cfg.distill
+    if not d.teacher:
+        return {}
+    from hybridtitan.distill import Teacher, training_flops_per_token
+    from hybridtitan.loader import read_model_args
+
+    try:
+        t = read_model_args(d.teacher)
+    except Exception as e:  # noqa: BLE001 -- a folder not here (describe plans a run elsewhere): said, not fatal
+        return {"assumes": f"; the teacher {d.teacher} is left out (it cannot be read here: {e})"}
+    shard = max(cfg.parallelism.data_parallel_shard_degree, 1)
+    counts = param_counts(t)
+    root = counts["embedding"] + counts["output_layer"] + t.dim
+    total = (counts["total"] - root) * param_bytes / shard + root * param_bytes
+    total += t.vocab_size * t.dim * param_bytes + tokens * t.dim * param_bytes
+    total += tokens * 2 * t.ffn_dim * param_bytes
+    if d.layer_weight:
+        total += (t.n_layers + 1) * tokens * t.dim * param_bytes
+    loss_bytes = None
+    if d.kl_weight or d.ce_weight:
+        if param_bytes == 2 and d.temperature == 1:
+            groups = min(8, -(-t.vocab_size // args.dim))
+            rows = 1 << (-(-tokens // groups) - 1).bit_length()
+            loss_bytes = 2 * min(rows, tokens) * t.vocab_size * param_bytes + args.vocab_size * args.dim * 4
+        else:
+            chunk = min(tokens, d.chunk_size)
+            loss_bytes = chunk * t.vocab_size * (5 * 4 + 2 * param_bytes)
+    return {"bytes": total, "loss_bytes": loss_bytes,
+            "flops_per_token": training_flops_per_token(args, cfg.training.seq_len, d, Teacher(d.teacher, t)),
+            "assumes": f"; the teacher {t.pattern} ({counts['total']:,} parameters, {8 * param_bytes}-bit) sharded "
+                       f"over {shard} rank(s), its forward's FLOPs counted"}
 
 
 def describe(cfg) -> dict:
@@ -78,6 +127,11 @@ def describe(cfg) -> dict:
     kept_gathered = not reshard_after_forward_for(cfg.parallelism.fsdp_reshard_after_forward, 0, args.n_layers, shard)
     unknown_degree = cfg.parallelism.data_parallel_shard_degree == -1
     states = counts["total"] * 16 / shard + (counts["total"] * on_gpu_bytes if kept_gathered else 0)
+    teacher = teacher_estimate(cfg, args, tokens, on_gpu_bytes)
+    if teacher.get("loss_bytes") is not None:  # the distillation's head replaces the cross-entropy's
+        loss_bytes = teacher["loss_bytes"]
+    if teacher.get("flops_per_token"):
+        flops = {**flops, "total": teacher["flops_per_token"]}
     layers = [
         {"index": i, "kind": kind, "symbol": args.pattern[i],
          "params": sum(sublayer_params(args, kind).values()), "flops_per_token": sublayer_flops(args, kind, t.seq_len)}
@@ -92,11 +146,13 @@ def describe(cfg) -> dict:
         "local_batch_size": t.local_batch_size, "layers": layers,
         "memory_estimate_gib": {
             "params_grads_optimizer": states / GIB, "activations": act_bytes / GIB, "loss_chunk": loss_bytes / GIB,
-            "total": (states + act_bytes + loss_bytes) / GIB,
+            "teacher": teacher.get("bytes", 0) / GIB,
+            "total": (states + act_bytes + loss_bytes + teacher.get("bytes", 0)) / GIB,
             "assumes": f"fp32 master weights, gradients and AdamW moments sharded over {shard} rank(s)"
                        f"{' (data_parallel_shard_degree -1 is counted as 1 here)' if unknown_degree else ''}"
                        f"{', the gathered parameters kept from forward to backward' if kept_gathered else ''}; "
-                       f"{8 * on_gpu_bytes}-bit activations, activation checkpointing '{ac}'",
+                       f"{8 * on_gpu_bytes}-bit activations, activation checkpointing '{ac}'"
+                       f"{teacher['assumes'] if teacher else ''}",
         },
     }
 
@@ -115,6 +171,7 @@ def _print_table(d: dict) -> None:
     m = d["memory_estimate_gib"]
     print(f"memory estimate per device, local batch {d['local_batch_size']} x {d['seq_len']}: "
           f"{m['total']:.2f} GiB = states {m['params_grads_optimizer']:.2f} + activations {m['activations']:.2f} "
+          + (f"+ teacher {m['teacher']:.2f} " if m["teacher"] else "") +
           f"+ loss chunk {m['loss_chunk']:.2f}  ({m['assumes']})")
 
 

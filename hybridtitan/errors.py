@@ -21,3 +21,7 @@ def first_error_line(e: BaseException, with_type: bool = False) -> str:
 
 class DataError(ValueError):
     """Training data found unusable while it is read (after the start-up checks): a shard of empty documents."""
+
+
+class ConversionError(ValueError):
+    """A model or folder that cannot be converted (export, import, upcycling): reported as one line."""

@@ -492,33 +492,11 @@ class HybridTitanLM(TemplateLM):
 
 def load_for_eval(checkpoint: str, *, step: int | None = None, device: str = "cpu", dtype: str = "float32",
                   tokenizer: str | None = None):
-    """(HybridLM, tokenizer, description) from a DCP checkpoint or a Hugging Face folder."""
-    import torch
+    """(HybridLM, tokenizer, description) from a DCP checkpoint or a Hugging Face folder (hybridtitan.loader)."""
+    from hybridtitan.loader import load
 
-    from hybridtitan.checkpoint import load_model_args, resolve_checkpoint
-    from hybridtitan.hf.convert import (
-        ConversionError,
-        checkpoint_tokenizer,
-        is_hf_folder,
-        load_hf_model,
-        load_tokenizer,
-        model_from_state,
-        read_dcp_model_state,
-    )
-
-    torch_dtype = getattr(torch, dtype)
-    if os.path.isdir(checkpoint) and is_hf_folder(checkpoint):
-        model = load_hf_model(checkpoint, torch_dtype, device)
-        tok_path, source = tokenizer or checkpoint, f"HF folder {checkpoint}"
-        return model, load_tokenizer(tok_path, model.args.vocab_size), source
-    step_dir = resolve_checkpoint(checkpoint, step)
-    args = load_model_args(step_dir)
-    tok_path = tokenizer or checkpoint_tokenizer(step_dir)
-    if not tok_path:
-        raise ConversionError(f"{step_dir} names no tokenizer (no job_config.json); pass --tokenizer")
-    tok = load_tokenizer(tok_path, args.vocab_size)  # before the weights are read
-    model = model_from_state(args, read_dcp_model_state(step_dir, args), torch_dtype, device, source=step_dir)
-    return model, tok, f"DCP checkpoint {step_dir}"
+    model, tok, source = load(checkpoint, step=step, device=device, dtype=dtype, tokenizer=tokenizer)
+    return model, tok, source
 
 
 def task_manager_for(names: list[str], include_path: str | None):

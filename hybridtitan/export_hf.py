@@ -3,10 +3,10 @@
     python -m hybridtitan.export_hf --checkpoint outputs/gdn_300M/checkpoint/step-4768 --output hf/gdn_300M
 
 Reads the model tensors straight from the DCP folder (a step folder, a checkpoint folder or a dump folder: the
-latest complete step, or --step N). Pure GDN and KDA models are written in FLA's own layouts
-(GatedDeltaNetForCausalLM, KDAForCausalLM: ``import fla`` and ``AutoModelForCausalLM.from_pretrained`` load them
-without hybridtitan); every other model (MLA hybrids, Mamba2) in hybridtitan's own layout (``model_type:
-hybridtitan``). That folder carries its own configuration and modeling code (hybridtitan/hf/remote_code/, named by
+latest complete step, or --step N). A Llama (grouped-query attention and MLPs alone) is written as transformers'
+LlamaForCausalLM; pure GDN and KDA models in FLA's own layouts (GatedDeltaNetForCausalLM, KDAForCausalLM:
+``import fla`` and ``AutoModelForCausalLM.from_pretrained`` load them without hybridtitan); every other model (MLA
+hybrids, Mamba2) in hybridtitan's own layout (``model_type: hybridtitan``). That folder carries its own configuration and modeling code (hybridtitan/hf/remote_code/, named by
 ``auto_map``): it loads with ``trust_remote_code=True`` where only torch and transformers are installed (FLA's
 kernels on GPUs when it imports); where hybridtitan is imported, its registered classes load it instead.
 ``--format hybridtitan`` writes a GDN/KDA model in our layout too.
@@ -27,7 +27,7 @@ import warnings
 from hybridtitan.cli import OneLineParser, fail, parse_size
 
 DTYPES = ("bfloat16", "float32", "float16")
-FORMATS = ("auto", "fla", "hybridtitan")
+FORMATS = ("auto", "llama", "fla", "hybridtitan")
 
 
 def _max_position_embeddings(step_dir: str) -> int:
@@ -42,8 +42,8 @@ def _max_position_embeddings(step_dir: str) -> int:
 def export(checkpoint: str, output: str, *, step: int | None = None, dtype: str = "bfloat16",
            tokenizer: str | None = None, overwrite: bool = False, format: str = "auto",
            max_shard_size: int | None = None) -> str:
-    """Writes the Hugging Face folder ``output`` from a DCP checkpoint; returns the layout written ("fla" or
-    "hybridtitan"). Raises CheckpointError / ConversionError (one line) on bad input, before writing anything."""
+    """Writes the Hugging Face folder ``output`` from a DCP checkpoint; returns the layout written ("llama", "fla"
+    or "hybridtitan"). Raises CheckpointError / ConversionError (one line) on bad input, before writing anything."""
     import torch
 
     from hybridtitan.checkpoint import load_model_args, resolve_checkpoint
@@ -60,6 +60,7 @@ def export(checkpoint: str, output: str, *, step: int | None = None, dtype: str 
         to_fla_key,
         write_safetensors,
     )
+    from hybridtitan.hf.llama import llama_config, llama_layout_problem, to_llama_key
 
     output = os.path.normpath(output)
     problem = output_problem(output, overwrite, "export")
@@ -71,10 +72,11 @@ def export(checkpoint: str, output: str, *, step: int | None = None, dtype: str 
         raise ConversionError(f"--format must be one of {', '.join(FORMATS)} (got {format!r})")
     step_dir = resolve_checkpoint(checkpoint, step)  # (an --output holding it is refused above: not an export)
     args = load_model_args(step_dir)  # CheckpointError naming the file if it cannot be read
-    problem = fla_layout_problem(args)
-    if format == "fla" and problem:
-        raise ConversionError(f"--format fla: {problem}")
-    layout = format if format != "auto" else ("fla" if problem is None else "hybridtitan")
+    problems = {"llama": llama_layout_problem(args), "fla": fla_layout_problem(args)}
+    if problems.get(format):
+        raise ConversionError(f"--format {format}: {problems[format]}")
+    layout = format if format != "auto" else next((name for name, problem in problems.items() if problem is None),
+                                                  "hybridtitan")
 
     tok_path = tokenizer or checkpoint_tokenizer(step_dir)
     if not tok_path:
@@ -85,9 +87,10 @@ def export(checkpoint: str, output: str, *, step: int | None = None, dtype: str 
     torch_dtype = getattr(torch, dtype)
     special = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     max_pos = _max_position_embeddings(step_dir)
-    if layout == "fla":
-        tensors = {to_fla_key(k): state.pop(k).to(torch_dtype).contiguous() for k in list(state)}
-        config = fla_config(args, max_position_embeddings=max_pos, dtype=torch_dtype, **special)
+    if layout in ("llama", "fla"):
+        rename, make_config = (to_llama_key, llama_config) if layout == "llama" else (to_fla_key, fla_config)
+        tensors = {rename(k): state.pop(k).to(torch_dtype).contiguous() for k in list(state)}
+        config = make_config(args, max_position_embeddings=max_pos, dtype=torch_dtype, **special)
     else:
         from hybridtitan.hf import HybridTitanConfig
 
@@ -140,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="weight dtype (default bfloat16)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the checkpoint's data.tokenizer)")
     p.add_argument("--format", choices=FORMATS, default="auto",
-                   help="auto: FLA's layout for pure GDN/KDA, hybridtitan's otherwise")
+                   help="auto: Llama's for a Llama, FLA's for pure GDN/KDA, hybridtitan's otherwise")
     p.add_argument("--max_shard_size", type=parse_size, default=None, help="shard past this size (default 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     return p

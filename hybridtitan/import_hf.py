@@ -4,8 +4,8 @@
     python -m hybridtitan.train --job.config_file ... --job.dump_folder outputs/gdn_ft      # starts from step-0
     (or, with any dump folder: --checkpoint.initial_load_path outputs/gdn_ft/checkpoint/step-0)
 
-Reads an FLA GatedDeltaNet/KDA checkpoint (GatedDeltaNetForCausalLM, KDAForCausalLM) or one of our own exports
-(model_type hybridtitan), checks that every tensor fits the model its config describes, and writes a model-only
+Reads a Llama (LlamaForCausalLM), an FLA GatedDeltaNet/KDA checkpoint (GatedDeltaNetForCausalLM, KDAForCausalLM)
+or one of our own exports (model_type hybridtitan), checks that every tensor fits the model its config describes, and writes a model-only
 DCP checkpoint with model_args.json; the tokenizer found in the folder (or --tokenizer) is saved inside it under
 ``tokenizer/``, where export and evaluation find it. The step folder appears only once complete. An existing
 output folder that is not empty is refused; --overwrite replaces an earlier import (a model-only step folder),
@@ -23,22 +23,11 @@ import warnings
 from hybridtitan.cli import OneLineParser, fail
 
 
-def _has_tokenizer(folder: str) -> bool:
-    return any(os.path.isfile(os.path.join(folder, n)) for n in ("tokenizer.json", "tokenizer_config.json"))
-
-
 def import_hf(model: str, output: str, *, tokenizer: str | None = None, overwrite: bool = False) -> str:
     """Writes the DCP step folder ``output`` from a Hugging Face folder; returns the model_type read.
     Raises ConversionError (one line) on bad input, before writing anything."""
-    from hybridtitan.checkpoint import save_model_checkpoint
-    from hybridtitan.hf.convert import (
-        ConversionError,
-        load_tokenizer,
-        model_from_state,
-        output_problem,
-        publish_folder,
-        read_hf_model,
-    )
+    from hybridtitan.hf.convert import ConversionError, load_tokenizer, model_from_state, output_problem, read_hf_model
+    from hybridtitan.loader import has_tokenizer
 
     output = os.path.normpath(output)
     problem = output_problem(output, overwrite, "import")
@@ -47,28 +36,38 @@ def import_hf(model: str, output: str, *, tokenizer: str | None = None, overwrit
     args, state, model_type = read_hf_model(model)
     net = model_from_state(args, state, source=model)
     del state
-    tok_path = tokenizer or (model if _has_tokenizer(model) else None)
+    tok_path = tokenizer or (model if has_tokenizer(model) else None)
     tok = load_tokenizer(tok_path, args.vocab_size) if tok_path else None
+
+    write_step_folder(net, output, tok)
+    return model_type
+
+
+def write_step_folder(model, output: str, tokenizer=None) -> None:
+    """A model-only DCP step folder with the tokenizer inside (``tokenizer/``), that appears only once complete
+    (written beside it under another name, then moved into place)."""
+    from hybridtitan.checkpoint import save_model_checkpoint
+    from hybridtitan.hf.convert import publish_folder
 
     parent = os.path.dirname(os.path.abspath(output))
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(output)}.import-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        save_model_checkpoint(net, tmp)
-        if tok is not None:
-            tok.save_pretrained(os.path.join(tmp, "tokenizer"))
+        save_model_checkpoint(model, tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
         publish_folder(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(tmp + ".partial", ignore_errors=True)
         raise
-    return model_type
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m hybridtitan.import_hf", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="a Hugging Face folder: FLA GDN/KDA or a hybridtitan export")
+    p.add_argument("--model", required=True,
+                   help="a Hugging Face folder: a Llama, FLA GDN/KDA or a hybridtitan export")
     p.add_argument("--output", required=True, help="the step folder to write, e.g. OUT/checkpoint/step-0")
     p.add_argument("--tokenizer", default=None, help="tokenizer to save with it (default: the model folder's)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")

@@ -92,9 +92,11 @@ class MetricsLogger:
                                     config=job_config)
 
     def log(self, step: int, *, loss: float, grad_norm: float, lr: float, tokens_per_step: int, window_steps: int,
-            window_time: float, tokens_seen: int, skipped_steps: int, loss_tokens: int | None = None) -> dict:
+            window_time: float, tokens_seen: int, skipped_steps: int, loss_tokens: int | None = None,
+            parts: dict[str, float] | None = None) -> dict:
         """The last ``window_steps`` steps took ``window_time`` seconds, each ``tokens_per_step`` tokens per device
-        (every token processed; ``loss_tokens``: those the loss of this step counted, over the global batch)."""
+        (every token processed; ``loss_tokens``: those the loss of this step counted, over the global batch).
+        ``parts``: distillation's terms, per counted token, logged as distill/<name>."""
         step_time = window_time / max(window_steps, 1)
         tps = tokens_per_step / step_time if step_time > 0 else 0.0
         elapsed = time.monotonic() - self.start
@@ -107,6 +109,8 @@ class MetricsLogger:
             # the model FLOPs done per second (training FLOPs per token x tokens/s), the figure Primus reports
             "tflops_per_device": self.flops_per_token * tps / 1e12,
         }
+        for name, value in (parts or {}).items():
+            record[f"distill/{name}"] = value
         if loss_tokens is not None:
             record["loss_tokens"] = loss_tokens
         if self.peak:
@@ -118,13 +122,17 @@ class MetricsLogger:
             self._write(record)
         return record
 
-    def log_validation(self, step: int, *, loss: float, tokens: int) -> dict:
-        """The held-out set's mean loss at ``step`` (and its perplexity, exp(loss)), over ``tokens`` tokens."""
+    def log_validation(self, step: int, *, loss: float, tokens: int, kl: float | None = None) -> dict:
+        """The held-out set's mean loss at ``step`` (and its perplexity, exp(loss)), over ``tokens`` tokens; with a
+        distillation teacher, also the mean KL divergence from it."""
         record = {"step": step, "validation/loss": loss, "validation/perplexity": math.exp(min(loss, 80.0)),
                   "validation/tokens": tokens}
+        if kl is not None:
+            record["validation/kl"] = kl
         if self.rank == 0:
-            logger.info(f"validation at step {step}: loss {loss:.4f} | perplexity {record['validation/perplexity']:.2f} "
-                        f"| {tokens:,} tokens")
+            shown_kl = f" | kl {kl:.4f}" if kl is not None else ""
+            logger.info(f"validation at step {step}: loss {loss:.4f} | perplexity {record['validation/perplexity']:.2f}"
+                        f"{shown_kl} | {tokens:,} tokens")
             self._record(record)
         return record
 
@@ -140,6 +148,8 @@ class MetricsLogger:
 
     def _write(self, r: dict) -> None:
         parts = [f"step {r['step']:>{len(str(self.total_steps))}}/{self.total_steps}", f"loss {r['loss']:.4f}",
+                 *(f"{key.removeprefix('distill/')} {value:.4f}" for key, value in r.items()
+                   if key.startswith("distill/")),
                  f"grad_norm {r['grad_norm']:.3f}", f"lr {r['lr']:.2e}",
                  f"tok/s/dev {r['tokens_per_sec_per_device']:,.0f}"]
         parts.append(f"tflop/s/dev {r['tflops_per_device']:.3g}")

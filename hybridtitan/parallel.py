@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from hybridtitan.ops.residual import fuse_residual_adds
 
@@ -107,6 +107,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
                     reshard_after_forward=reshard_after_forward_for(reshard_after_forward, i, n, shard_degree))
     fully_shard(model, mesh=mesh, mp_policy=mp,
                 reshard_after_forward=reshard_after_forward_for(reshard_after_forward, None, n, shard_degree))
+    if hasattr(model, "teacher_forced"):  # layer distillation's forward gathers and reshards as forward does
+        register_fsdp_forward_method(model, "teacher_forced")
 
 
 def is_checkpointed(layer: nn.Module) -> bool:

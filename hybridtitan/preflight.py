@@ -26,6 +26,7 @@ from hybridtitan.checkpoint import (
 )
 from hybridtitan.config import ConfigError, held_out_data, model_args
 from hybridtitan.data import HeldOut, build_dataloader, build_tokenizer
+from hybridtitan.distill import Teacher, check_teacher
 from hybridtitan.errors import first_error_line
 from hybridtitan.models import ModelArgs
 from hybridtitan.parallel import DataParallel, resolve_data_parallel
@@ -60,6 +61,8 @@ class Plan:
     seed: int
     start: StartPoint | None
     held_out: HeldOut | None  # the validation set, where validation.enable
+    teacher: Teacher | None = None  # the distillation teacher, where [distill] names one
+    warnings: tuple[str, ...] = ()  # what the run's log says before training, once logging is set up
 
 
 def preflight(cfg) -> Plan:
@@ -80,7 +83,7 @@ def preflight(cfg) -> Plan:
     args = model_args(cfg)
     tokenizer = None
     needs_tokenizer = cfg.data.source != "mock" or cfg.eval.tasks or (
-        cfg.validation.enable and cfg.validation.data.source != "mock")
+        cfg.validation.enable and cfg.validation.data.source != "mock") or cfg.distill.teacher
     if needs_tokenizer:
         try:
             tokenizer = build_tokenizer(cfg.data.tokenizer)
@@ -103,12 +106,19 @@ def preflight(cfg) -> Plan:
         raise ConfigError(str(e)) from None
     if cfg.eval.tasks:
         check_eval_tasks(cfg)
+    teacher = check_teacher(cfg, args, tokenizer)
     start = choose_start(cfg)
+    warnings = []
+    unread = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+    if not cfg.checkpoint.enable and complete_steps(unread):
+        warnings.append(f"checkpoint.enable is false: the checkpoints in {unread} (steps "
+                        f"{', '.join(map(str, complete_steps(unread)))}) are not loaded, and the model starts from its "
+                        "random initialisation")
     if start is not None:
         check_start(cfg, start, args)
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     return Plan(device, world_size, dp, global_batch // per_step, args, tokenizer, dataloader, seed, start,
-                held_out)
+                held_out, teacher, tuple(warnings))
 
 
 def check_eval_tasks(cfg) -> None:

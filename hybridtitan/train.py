@@ -41,10 +41,11 @@ from hybridtitan.checkpoint import CheckpointManager
 from hybridtitan.config import TRAIN_USAGE, ConfigError, compiles, parse_config, selective_ac_interval, to_dict
 from hybridtitan.data.config import recorded_path
 from hybridtitan.data.loader import IGNORE_INDEX
+from hybridtitan.distill import Distiller, training_flops_per_token
 from hybridtitan.errors import DataError, first_error_line
 from hybridtitan.metrics import MetricsLogger
 from hybridtitan.models import build_model
-from hybridtitan.models.flops import flops_per_token, param_counts
+from hybridtitan.models.flops import param_counts
 from hybridtitan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from hybridtitan.parallel import build_mesh, parallelize
 from hybridtitan.preflight import Plan, preflight
@@ -79,6 +80,7 @@ class StepResult:
     applied: torch.Tensor  # bool: the update was made (the gradient norm was finite)
     lr: float
     loss_tokens: torch.Tensor  # the tokens the loss counted, over the global batch
+    parts: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # distillation's terms, as loss
 
 
 def kernel_config(cfg, device: torch.device) -> ops.KernelConfig:
@@ -160,16 +162,20 @@ class HostReports:
 
 
 class LogWindow:
-    """The steps since the last log line: their summed loss (applied steps only) and wall time."""
+    """The steps since the last log line: their summed loss and distillation terms (applied steps only), and wall
+    time."""
 
     def __init__(self, step: int):
         self.start_step, self.start_time = step, time.perf_counter()
-        self.loss_sum: torch.Tensor | None = None
+        self.loss_sum: torch.Tensor | None = None  # [loss, *parts]
+        self.part_names: list[str] = []
         self.counted: torch.Tensor | None = None
 
     def add(self, result: StepResult) -> None:
-        loss = torch.where(result.applied, result.loss, torch.zeros_like(result.loss))
-        self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+        self.part_names = list(result.parts)
+        values = torch.stack([result.loss, *result.parts.values()]).float()
+        values = torch.where(result.applied, values, torch.zeros_like(values))
+        self.loss_sum = values if self.loss_sum is None else self.loss_sum + values
         applied = result.applied.float()
         self.counted = applied if self.counted is None else self.counted + applied
 
@@ -210,24 +216,28 @@ class Trainer:
         init_distributed(self.device, cfg.comm.init_timeout_seconds)
         self.rank = dist.get_rank()
         setup_logging(self.rank)
+        for warning in plan.warnings:
+            logger.warning(warning)
         torch.manual_seed(plan.seed)
         if cfg.debug.deterministic:
             torch.use_deterministic_algorithms(True)
 
-        # the model
+        # the model (and a distillation teacher beside it)
         args = plan.model_args
-        self.flops_per_token = flops_per_token(args, t.seq_len)["total"]
+        self.flops_per_token = training_flops_per_token(args, t.seq_len, cfg.distill, plan.teacher)
         self._describe_run()
         on_gpu = self.device.type == "cuda"
         if not on_gpu and t.mixed_precision_param != "float32":
             logger.info("CPU: parameters and activations in float32 (training.mixed_precision_param applies to GPUs)")
         self.mesh = build_mesh(plan.dp, self.device.type)
+        kernels = ops.Kernels(kernel_config(cfg, self.device))
+        param_dtype = getattr(torch, t.mixed_precision_param) if on_gpu else torch.float32
         self.model = build_parallel_model(
-            args, self.mesh, self.device,
-            kernels=ops.Kernels(kernel_config(cfg, self.device)), ac_mode=cfg.activation_checkpoint.mode,
-            ac_every=selective_ac_interval(cfg), compile_model=compiles(cfg, "model"),
-            param_dtype=getattr(torch, t.mixed_precision_param) if on_gpu else torch.float32,
+            args, self.mesh, self.device, kernels=kernels, ac_mode=cfg.activation_checkpoint.mode,
+            ac_every=selective_ac_interval(cfg), compile_model=compiles(cfg, "model"), param_dtype=param_dtype,
             reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward)
+        self.distiller = Distiller(cfg.distill, plan.teacher, self.mesh, self.device, kernels, param_dtype) \
+            if plan.teacher is not None else None
         if t.cuda_graphs and cfg.data.document_boundaries:
             logger.warning("training.cuda_graphs: with packed documents (data.document_boundaries) the mixers run "
                            "eagerly; only whole sequences are replayed from CUDA graphs")
@@ -333,12 +343,14 @@ class Trainer:
         # FSDP averages the gradients over the ranks: each micro-batch's sum over the mean count per micro-batch
         per_micro_batch = (counted / (self.plan.dp.size * accum)).clamp(min=1)
         loss_total = torch.zeros((), device=self.device)
+        parts: dict[str, torch.Tensor] = {}
         for b in batches:
-            loss_sum, _ = self.model(b["input_ids"], labels=b["labels"], cu_seqlens=b.get("cu_seqlens"),
-                                     loss_chunk_size=t.loss_chunk_size, reduction="sum")
-            loss = loss_sum / per_micro_batch / accum
-            loss.backward()
-            loss_total += loss.detach()
+            for loss_sum, terms in self.losses(b):
+                loss = loss_sum / per_micro_batch / accum
+                loss.backward()
+                loss_total += loss.detach()
+                for name, value in terms.items():
+                    parts[name] = parts.get(name, 0) + value / per_micro_batch / accum
         grad_norm = clip_grad_norm_(self.model.parameters(), t.max_norm)
         # the gradient norm is already reduced over all ranks, so every rank makes the same choice
         applied = optimizer_step(self.optimizer, grad_norm)
@@ -346,7 +358,16 @@ class Trainer:
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.tokens_seen += self.tokens_per_step_local * self.plan.dp.size
-        return StepResult(loss_total, grad_norm, applied, lr, counted)
+        return StepResult(loss_total, grad_norm, applied, lr, counted, parts)
+
+    def losses(self, batch: dict) -> list[tuple[torch.Tensor, dict]]:
+        """(summed loss, {distillation term: summed value}) for each forward of a micro-batch: the cross-entropy,
+        or with a teacher the distillation's losses (hybridtitan.distill)."""
+        if self.distiller is not None:
+            return self.distiller.losses(self.model, batch)
+        loss_sum, _ = self.model(batch["input_ids"], labels=batch["labels"], cu_seqlens=batch.get("cu_seqlens"),
+                                 loss_chunk_size=self.cfg.training.loss_chunk_size, reduction="sum")
+        return [(loss_sum, {})]
 
     def to_device(self, batch: dict) -> dict:
         return {key: value.to(self.device, non_blocking=True) for key, value in batch.items()}
@@ -361,13 +382,14 @@ class Trainer:
         if not (due or self.reports.stopping) or not self.window.has_applied_steps():
             return
         w = self.window
-        mean_loss = w.loss_sum / w.counted
-        dist.all_reduce(mean_loss)  # a sum (gloo has no average)
-        mean_loss /= dist.get_world_size()
+        means = w.loss_sum / w.counted
+        dist.all_reduce(means)  # a sum (gloo has no average)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the window's wall time includes its GPU work
+        means = (means / dist.get_world_size()).tolist()
         self.last_logged = self.metrics.log(
-            step, loss=mean_loss.item(), grad_norm=result.grad_norm.item(), lr=result.lr,
+            step, loss=means[0], parts=dict(zip(w.part_names, means[1:])), grad_norm=result.grad_norm.item(),
+            lr=result.lr,
             tokens_per_step=self.tokens_per_step_local, window_steps=step - w.start_step,
             window_time=time.perf_counter() - w.start_time, tokens_seen=self.state.tokens_seen,
             skipped_steps=self.state.skipped_steps, loss_tokens=int(result.loss_tokens.item()))
@@ -379,21 +401,26 @@ class Trainer:
             return
         if step % self.cfg.validation.freq and step != self.cfg.training.steps and not self.reports.stopping:
             return
-        loss, tokens = self.validate()
-        self.metrics.log_validation(step, loss=loss, tokens=tokens)
+        loss, tokens, kl = self.validate()
+        self.metrics.log_validation(step, loss=loss, tokens=tokens, kl=kl)
 
     @torch.no_grad()
-    def validate(self) -> tuple[float, int]:
-        """(mean loss over the counted tokens of the held-out set, their number), over every rank's shard: the
-        same batches each time. Nothing of the training changes: no RNG is drawn, no state is kept."""
+    def validate(self) -> tuple[float, int, float | None]:
+        """(mean loss over the counted tokens of the held-out set, their number, and with a teacher the mean KL
+        divergence from it), over every rank's shard: the same batches each time. Nothing of the training changes:
+        no RNG is drawn, no state is kept."""
         steps = self.cfg.validation.steps
         self.model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
         for i, (batch, shard_ended) in enumerate(self.plan.held_out.batches()):
             b = self.to_device(batch)
-            loss_sum, count = self.model(b["input_ids"], labels=b["labels"], cu_seqlens=b.get("cu_seqlens"),
-                                         loss_chunk_size=self.cfg.training.loss_chunk_size, reduction="sum")
-            totals += torch.stack([loss_sum.double(), count.double()])
+            if self.distiller is not None:
+                loss_sum, kl_sum, count = self.distiller.held_out(self.model, b)
+            else:
+                (loss_sum, count), kl_sum = self.model(
+                    b["input_ids"], labels=b["labels"], cu_seqlens=b.get("cu_seqlens"),
+                    loss_chunk_size=self.cfg.training.loss_chunk_size, reduction="sum"), torch.zeros(())
+            totals += torch.stack([loss_sum.double(), count.double(), kl_sum.double().to(self.device)])
             if steps > 0:
                 if i + 1 == steps:
                     break
@@ -405,8 +432,8 @@ class Trainer:
                 break
         self.model.train()
         dist.all_reduce(totals)
-        loss_sum, count = totals.tolist()
-        return loss_sum / max(count, 1), int(count)
+        loss_sum, count, kl_sum = totals.tolist()
+        return loss_sum / max(count, 1), int(count), kl_sum / max(count, 1) if self.distiller is not None else None
 
     def maybe_save(self, step: int, due: bool) -> None:
         """A checkpoint at a due step (checkpoint.interval, the last) or a stop."""
@@ -518,7 +545,8 @@ def _quiet_known_warnings() -> None:
     """Warnings of dependencies that say nothing about this run."""
     for message in ("DTensor random operators may not have complete support",  # no random op on DTensors here
                     "'set_vital' is deprecated",  # torchdata 0.11 on torch >= 2.12
-                    "Triton is not supported on current platform"):  # FLA imported on a CPU machine
+                    "Triton is not supported on current platform",  # FLA imported on a CPU machine
+                    "torch.distributed is disabled"):  # a distillation teacher read from DCP, in one process
         warnings.filterwarnings("ignore", message=message)
 
 

@@ -570,8 +570,11 @@ def test_import_bad_input(trained, exports, tmp_path, capsys):
     foreign = tmp_path / "foreign"
     shutil.copytree(exports["debug_gdn", "fla"], foreign)
     cfg = json.loads((foreign / "config.json").read_text())
-    (foreign / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
-    _expect_error(capsys, main, ["--model", str(foreign), "--output", str(out)], "model_type 'llama'")
+    (foreign / "config.json").write_text(json.dumps({**cfg, "model_type": "mistral"}))
+    _expect_error(capsys, main, ["--model", str(foreign), "--output", str(out)], "model_type 'mistral'")
+    (foreign / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))  # a Llama's keys missing
+    _expect_error(capsys, main, ["--model", str(foreign), "--output", str(out)],
+                  "a Llama config needs num_attention_heads")
     (foreign / "config.json").write_text(json.dumps({**cfg, "allow_neg_eigval": True}))
     _expect_error(capsys, main, ["--model", str(foreign), "--output", str(out)], "allow_neg_eigval")
     kda_cfg = json.loads((exports["debug_kda", "fla"] / "config.json").read_text())

@@ -9,7 +9,7 @@ from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM, KDAConfig,
 
 from hybridtitan.models import FLAVORS, GDNArgs, InferenceCache, KDAArgs, ModelArgs, build_model, get_flavor
 
-DEBUG_FLAVORS = ["debug_gdn", "debug_kda", "debug_mamba2", "debug_hybrid"]
+DEBUG_FLAVORS = ["debug_gdn", "debug_kda", "debug_mamba2", "debug_hybrid", "debug_llama", "debug_llama_upcycled"]
 
 # Parameters of FLA 0.6.0's GatedDeltaNetForCausalLM / KDAForCausalLM with the Primus sizes (tied embeddings).
 FLA_PARAMS = {"gdn_300M": 307767232, "kda_300M": 303549280, "gdn_1B": 1203441152, "kda_1B": 1175153920}
@@ -107,7 +107,7 @@ def test_every_flavor_builds_on_meta(name):
     model = build_model(args)
     assert len(model.layers) == args.n_layers == len(args.pattern)
     assert all(p.is_meta for p in model.parameters())
-    assert model.output_weight is model.embeddings.weight
+    assert (model.output_weight is model.embeddings.weight) == args.tie_embeddings
     kinds = [layer.kind for layer in model.layers]
     assert kinds == args.kinds
     # get_flavor hands out copies: changing one never changes the registry
@@ -232,8 +232,9 @@ def test_decoding_with_cache_matches_full_forward(name):
     decoded = torch.cat(steps, dim=1)
     assert decoded.shape == full.shape
     torch.testing.assert_close(decoded, full, rtol=0, atol=1e-4)
-    if "*" in model.args.pattern:  # the MLA latents of every position are cached
-        assert all(s["c_kv"].shape[1] == T for s in cache.layers if "c_kv" in s)
+    if "*" in model.args.pattern:  # the MLA latents (or grouped-query keys) of every position are cached
+        key = "c_kv" if model.args.attention == "mla" else "k"
+        assert all(s[key].shape[1] == T for s in cache.layers if key in s)
     # every mixer / attention sublayer left a state behind, the MLPs none
     for layer, state in zip(model.layers, cache.layers):
         assert bool(state) == (layer.kind != "mlp"), layer.kind

@@ -1,6 +1,9 @@
 """Weights and configs between hybridtitan and Hugging Face folders.
 
-Two layouts are written and read:
+Three layouts are written and read:
+
+* transformers' LlamaForCausalLM for a pure grouped-query-attention stack (pattern ``*-`` repeated), see
+  hybridtitan.hf.llama;
 
 * FLA's own (``GatedDeltaNetForCausalLM``, ``KDAForCausalLM``) for a pure GDN or KDA stack (pattern ``M-``
   repeated): FLA block i holds our sublayers 2i (mixer) and 2i+1 (MLP)::
@@ -29,8 +32,10 @@ import shutil
 import torch
 
 from hybridtitan.checkpoint import CheckpointError, model_args_from_dict
-from hybridtitan.errors import first_error_line
+from hybridtitan.errors import ConversionError, first_error_line
 from hybridtitan.models import GDNArgs, HybridLM, KDAArgs, ModelArgs, build_model
+
+from .llama import LLAMA_MODEL_TYPE, from_llama_key, model_args_from_llama_config
 
 FLA_MODEL_TYPES = {"gdn": "gated_deltanet", "kda": "kda"}
 FLA_ARCHITECTURES = {"gdn": "GatedDeltaNetForCausalLM", "kda": "KDAForCausalLM"}
@@ -38,10 +43,6 @@ OWN_MODEL_TYPE = "hybridtitan"
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # Hugging Face's "5GB"
-
-
-class ConversionError(ValueError):
-    """A model or folder that cannot be converted: reported as one line."""
 
 
 # ------------------------------------------------------------------------------------------ FLA names and configs
@@ -139,7 +140,7 @@ def model_args_from_fla_config(cfg: dict) -> ModelArgs:
     model_type = cfg.get("model_type")
     mixer = {v: k for k, v in FLA_MODEL_TYPES.items()}.get(model_type)
     if mixer is None:
-        raise ConversionError(f"model_type {model_type!r} is neither gated_deltanet nor kda nor {OWN_MODEL_TYPE}")
+        raise ConversionError(f"model_type {model_type!r} is none of llama, gated_deltanet, kda and {OWN_MODEL_TYPE}")
 
     def want(field, ok, default=None):
         value = cfg.get(field, default)
@@ -310,8 +311,24 @@ def read_hf_config(folder: str) -> dict:
         raise ConversionError(f"cannot read {folder}/config.json: {first_error_line(e)}") from None
 
 
+def model_args_from_hf_config(cfg: dict, folder: str) -> ModelArgs:
+    """ModelArgs of a Hugging Face folder's config.json: a Llama, an FLA GDN/KDA model or a hybridtitan export."""
+    model_type = cfg.get("model_type")
+    if model_type == LLAMA_MODEL_TYPE:
+        return model_args_from_llama_config(cfg)
+    if model_type != OWN_MODEL_TYPE:
+        return model_args_from_fla_config(cfg)
+    if not cfg.get("model_args"):
+        raise ConversionError(f"{folder}/config.json has model_type hybridtitan but no model_args")
+    try:
+        return model_args_from_dict(cfg["model_args"])
+    except (TypeError, ValueError) as e:
+        raise ConversionError(f"{folder}/config.json: bad model_args: {first_error_line(e)}") from None
+
+
 def read_hf_model(folder: str) -> tuple[ModelArgs, dict[str, torch.Tensor], str]:
-    """(ModelArgs, state under HybridLM's names, model_type) of an FLA GDN/KDA folder or a hybridtitan export."""
+    """(ModelArgs, state under HybridLM's names, model_type) of a Llama folder (LlamaForCausalLM), an FLA GDN/KDA
+    folder or a hybridtitan export."""
     if not os.path.isdir(folder):
         raise ConversionError(f"model folder not found: {folder}")
     if not is_hf_folder(folder):
@@ -320,13 +337,8 @@ def read_hf_model(folder: str) -> tuple[ModelArgs, dict[str, torch.Tensor], str]
         raise ConversionError(f"{folder} is not a Hugging Face model folder (no config.json){hint}")
     cfg = read_hf_config(folder)
     model_type = cfg.get("model_type")
+    args = model_args_from_hf_config(cfg, folder)
     if model_type == OWN_MODEL_TYPE:
-        if not cfg.get("model_args"):
-            raise ConversionError(f"{folder}/config.json has model_type hybridtitan but no model_args")
-        try:
-            args = model_args_from_dict(cfg["model_args"])
-        except (TypeError, ValueError) as e:
-            raise ConversionError(f"{folder}/config.json: bad model_args: {first_error_line(e)}") from None
         tensors = read_hf_tensors(folder)
         state = {}
         for key, t in tensors.items():
@@ -334,13 +346,13 @@ def read_hf_model(folder: str) -> tuple[ModelArgs, dict[str, torch.Tensor], str]
                 raise ConversionError(f"unexpected tensor {key} in {folder} (hybridtitan exports keep 'model.' names)")
             state[key[len("model."):]] = t
     else:
-        args = model_args_from_fla_config(cfg)
+        rename = from_llama_key if model_type == LLAMA_MODEL_TYPE else from_fla_key
         tensors = read_hf_tensors(folder)
         state = {}
         for key, t in tensors.items():
-            ours = from_fla_key(key)
+            ours = rename(key)
             if ours == "lm_head.weight" and args.tie_embeddings:
-                continue  # FLA's tied copy of the embedding
+                continue  # a tied copy of the embedding
             state[ours] = t
     return args, state, model_type
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from .pattern import parse_pattern, pattern_from_ratio
 
 MIXERS = ("gdn", "kda", "mamba2")
+ATTENTIONS = ("mla", "gqa")
+ROPE_SCALINGS = ("none", "llama3")
 
 
 @dataclass
@@ -40,6 +42,7 @@ class Mamba2Args:
     n_groups: int = 8  # groups of heads sharing B and C
     expand: int = 2  # inner width = expand x dim
     conv_size: int = 4  # short causal convolution's kernel size
+    xb_heads: int = 0  # x and B projected for this many heads, each shared by a group of heads (0: for every head)
 
 
 @dataclass
@@ -59,6 +62,23 @@ class MLAArgs:
     beta_slow: float = 1.0  # YaRN: rotations below which frequencies are interpolated
     mscale: float = 1.0  # YaRN attention temperature
     mscale_all_dim: float = 0.0  # YaRN attention temperature over all dimensions
+    latent_norm: bool = True  # RMSNorm on the query and key/value latents (off: an MLA upcycled from attention)
+
+
+@dataclass
+class GQAArgs:
+    """Grouped-query attention with RoPE, Llama's: num_kv_heads key/value heads, each shared by
+    num_heads / num_kv_heads query heads. rope_scaling "llama3" is Llama 3.1's frequency scaling."""
+
+    num_heads: int = 32  # query heads
+    num_kv_heads: int = 8  # key/value heads (dividing num_heads)
+    head_dim: int = 64  # channels per head
+    rope_theta: float = 500000.0  # RoPE base
+    rope_scaling: str = "none"  # "none" or "llama3"
+    rope_scaling_factor: float = 1.0  # llama3: how much slower the long wavelengths rotate
+    low_freq_factor: float = 1.0  # llama3: wavelengths above original / low_freq_factor are slowed
+    high_freq_factor: float = 4.0  # llama3: wavelengths below original / high_freq_factor are kept
+    original_max_position_embeddings: int = 8192  # llama3: the context length trained without scaling
 
 
 @dataclass
@@ -70,6 +90,7 @@ class ModelArgs:
     pattern: str = ""  # empty: built from hybrid_attention_ratio
     hybrid_attention_ratio: float = 0.0
     mixer: str = "gdn"
+    attention: str = "mla"  # the '*' sublayer: multi-latent ("mla") or grouped-query ("gqa", Llama's) attention
     tie_embeddings: bool = True
     norm_eps: float = 1e-6
     init_std: float = 0.02
@@ -77,6 +98,7 @@ class ModelArgs:
     kda: KDAArgs = field(default_factory=KDAArgs)
     mamba2: Mamba2Args = field(default_factory=Mamba2Args)
     mla: MLAArgs = field(default_factory=MLAArgs)
+    gqa: GQAArgs = field(default_factory=GQAArgs)
 
     def __post_init__(self):
         if not self.pattern:
@@ -122,7 +144,26 @@ class ModelArgs:
                 n_heads = self.dim * m.expand // m.head_dim
                 if n_heads % m.n_groups:
                     raise ValueError(f"model.mamba2: {n_heads} heads do not split into n_groups={m.n_groups} groups")
-        if "attention" in kinds:
+                if m.xb_heads < 0 or (m.xb_heads and (n_heads % m.xb_heads or m.n_groups % m.xb_heads)):
+                    raise ValueError(f"model.mamba2.xb_heads ({m.xb_heads}) must divide the {n_heads} heads and the "
+                                     f"{m.n_groups} groups (or be 0)")
+        if "attention" in kinds and self.attention not in ATTENTIONS:
+            raise ValueError(f"model.attention {self.attention!r} is not a known attention; the pattern has '*' "
+                             f"sublayers, so model.attention must be one of: {', '.join(ATTENTIONS)}")
+        if "attention" in kinds and self.attention == "gqa":
+            g = self.gqa
+            for name in ("num_heads", "num_kv_heads", "head_dim"):
+                if getattr(g, name) <= 0:
+                    raise ValueError(f"model.gqa.{name} must be positive, got {getattr(g, name)}")
+            if g.num_heads % g.num_kv_heads:
+                raise ValueError(f"model.gqa.num_heads ({g.num_heads}) must be a multiple of model.gqa.num_kv_heads "
+                                 f"({g.num_kv_heads})")
+            if g.head_dim % 2:
+                raise ValueError(f"model.gqa.head_dim must be even (RoPE rotates pairs), got {g.head_dim}")
+            if g.rope_scaling not in ROPE_SCALINGS:
+                raise ValueError(f"model.gqa.rope_scaling must be one of: {', '.join(ROPE_SCALINGS)}, got "
+                                 f"{g.rope_scaling!r}")
+        if "attention" in kinds and self.attention == "mla":
             mla = self.mla
             for name in ("num_heads", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
                 if getattr(mla, name) <= 0:
@@ -136,8 +177,11 @@ class ModelArgs:
         return dataclasses.replace(self, **changes)
 
 
+ZERO_MEANS_NONE = ("xb_heads",)  # sizes where 0 switches a feature off
+
+
 def _check_positive(args, prefix: str) -> None:
     for f in dataclasses.fields(args):
         value = getattr(args, f.name)
-        if isinstance(value, int) and value <= 0:
+        if isinstance(value, int) and not isinstance(value, bool) and value <= 0 and f.name not in ZERO_MEANS_NONE:
             raise ValueError(f"{prefix}.{f.name} must be positive, got {value}")

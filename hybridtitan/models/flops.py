@@ -2,8 +2,9 @@
 
 Matrix products count 2 FLOPs per multiply-add. Every weight matrix costs 6 FLOPs per parameter per token.
 Beyond the weights:
-- MLA attention is quadratic: causal, so a token attends to (seq_len + 1) / 2 keys on average; the scores
-  (q.k over qk_head_dim) and the weighted sum (over v_head_dim) cost 2 * H * ctx * (dqk + dv) forward. With
+- Attention is quadratic: causal, so a token attends to (seq_len + 1) / 2 keys on average; the scores
+  (q.k over qk_head_dim) and the weighted sum (over v_head_dim) cost 2 * H * ctx * (dqk + dv) forward (MLA;
+  grouped-query attention the same with dqk = dv = head_dim and H its query heads). With
   packed documents (cu_seqlens) tokens attend only within their document, so this count (and the MFU made
   from it) is an upper bound there.
 - GDN/KDA are linear in the sequence: the chunked delta rule with chunk C = 64 does, per token and value head,
@@ -30,6 +31,9 @@ def sublayer_params(args: ModelArgs, kind: str) -> dict[str, int]:
     d = args.dim
     if kind == "mlp":
         return {"matmul": 3 * d * args.ffn_dim, "other": d}
+    if kind == "attention" and args.attention == "gqa":
+        g = args.gqa
+        return {"matmul": 2 * d * (g.num_heads + g.num_kv_heads) * g.head_dim, "other": d}
     if kind == "attention":
         a = args.mla
         qk = a.qk_nope_head_dim + a.qk_rope_head_dim
@@ -37,7 +41,7 @@ def sublayer_params(args: ModelArgs, kind: str) -> dict[str, int]:
         kv = d * (a.kv_lora_rank + a.qk_rope_head_dim) + \
             a.kv_lora_rank * a.num_heads * (a.qk_nope_head_dim + a.v_head_dim)
         o = a.num_heads * a.v_head_dim * d
-        norms = d + a.kv_lora_rank + (a.q_lora_rank or 0)
+        norms = d + (a.kv_lora_rank + (a.q_lora_rank or 0) if a.latent_norm else 0)
         return {"matmul": q + kv + o, "other": norms}
     if args.mixer == "gdn":
         g = args.gdn
@@ -55,17 +59,29 @@ def sublayer_params(args: ModelArgs, kind: str) -> dict[str, int]:
     m = args.mamba2
     inner = d * m.expand
     heads = inner // m.head_dim
-    conv = inner + 2 * m.n_groups * m.d_state
-    matmul = d * (2 * inner + 2 * m.n_groups * m.d_state + heads) + inner * d
+    conv = mamba2_conv_channels(args)
+    matmul = d * (inner + conv + heads) + inner * d
     other = (m.conv_size + 1) * conv + 3 * heads + inner + d
     return {"matmul": matmul, "other": other}
+
+
+def mamba2_conv_channels(args: ModelArgs) -> int:
+    """Channels of Mamba2's x, B and C as projected (x and B for xb_heads heads only, where set)."""
+    m = args.mamba2
+    inner = args.dim * m.expand
+    if m.xb_heads:
+        return m.xb_heads * (m.head_dim + m.d_state) + m.n_groups * m.d_state
+    return inner + 2 * m.n_groups * m.d_state
 
 
 def sublayer_flops(args: ModelArgs, kind: str, seq_len: int) -> float:
     """Training FLOPs per token of one sublayer."""
     p = sublayer_params(args, kind)
     fwd = 2 * p["matmul"]
-    if kind == "attention":
+    if kind == "attention" and args.attention == "gqa":
+        g = args.gqa
+        fwd += 2 * g.num_heads * (seq_len + 1) / 2 * 2 * g.head_dim
+    elif kind == "attention":
         a = args.mla
         ctx = (seq_len + 1) / 2
         fwd += 2 * a.num_heads * ctx * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim)
@@ -81,7 +97,7 @@ def sublayer_flops(args: ModelArgs, kind: str, seq_len: int) -> float:
         m = args.mamba2
         heads = args.dim * m.expand // m.head_dim
         fwd += heads * (2 * 2 * m.d_state * m.head_dim + CHUNK * (m.d_state + m.head_dim))
-        fwd += 2 * m.conv_size * (args.dim * m.expand + 2 * m.n_groups * m.d_state)
+        fwd += 2 * m.conv_size * mamba2_conv_channels(args)
     return 3 * fwd
 
 

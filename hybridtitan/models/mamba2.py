@@ -1,13 +1,17 @@
 """Mamba2 (Dao & Gu, 2024), the SSD layer as Megatron's MambaMixer lays it out.
 
     [z | x | B | C | dt] = W_in u
-    x, B, C  = SiLU(causal_conv([x | B | C]) + b)
+    x, B, C  = SiLU(causal_conv([x | B | C]) + b)       (x, B of xb_heads heads repeated to every head, where set)
     dt       = softplus(dt + dt_bias);  A = -exp(A_log)
     y        = SSD(x * dt, A * dt, B, C) + D * x
     out      = W_out(RMSNorm_grouped(y * SiLU(z)))
 
 SSD is linear attention with one scalar decay per head, so it runs on the simple-GLA chunk kernel with
 q = C, k = B, v = x * dt, log decay A * dt and scale 1: no mamba_ssm, no CUDA-only code.
+
+With ``xb_heads`` set, x and B are projected (and convolved) for that many heads only, each then serving a group
+of heads as grouped-query attention's keys and values do: MambaInLlama's layout, which an attention layer's
+W_V, W_K (key/value heads) and W_Q initialise (hybridtitan.upcycle).
 """
 
 from __future__ import annotations
@@ -31,8 +35,12 @@ class Mamba2(nn.Module):
         self.head_dim, self.d_state, self.n_groups = args.head_dim, args.d_state, args.n_groups
         self.num_heads = self.d_inner // args.head_dim
         self.bc_dim = args.n_groups * args.d_state
-        self.in_proj = nn.Linear(dim, 2 * self.d_inner + 2 * self.bc_dim + self.num_heads, bias=False)
-        self.conv1d = ShortConvolution(self.d_inner + 2 * self.bc_dim, args.conv_size, bias=True, kernels=kernels)
+        self.x_heads = args.xb_heads or self.num_heads  # heads of x as projected
+        self.b_groups = args.xb_heads or args.n_groups  # groups of B as projected
+        self.x_dim, self.b_dim = self.x_heads * args.head_dim, self.b_groups * args.d_state
+        self.conv_dim = self.x_dim + self.b_dim + self.bc_dim
+        self.in_proj = nn.Linear(dim, self.d_inner + self.conv_dim + self.num_heads, bias=False)
+        self.conv1d = ShortConvolution(self.conv_dim, args.conv_size, bias=True, kernels=kernels)
         self.A_log = nn.Parameter(torch.empty(self.num_heads))
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
         self.D = nn.Parameter(torch.ones(self.num_heads))
@@ -43,12 +51,12 @@ class Mamba2(nn.Module):
     def forward(self, u: torch.Tensor, cu_seqlens=None, cache=None, **_) -> torch.Tensor:
         Bsz, T, _ = u.shape
         H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.d_state
-        z, xbc, dt = self.in_proj(u).split([self.d_inner, self.d_inner + 2 * self.bc_dim, H], dim=-1)
+        z, xbc, dt = self.in_proj(u).split([self.d_inner, self.conv_dim, H], dim=-1)
         xbc = self.conv1d(xbc, cu_seqlens, cache, "conv")
-        x, Bm, Cm = xbc.split([self.d_inner, self.bc_dim, self.bc_dim], dim=-1)
-        x = x.view(Bsz, T, H, P)
-        # every group of B and C serves H / G consecutive heads
-        Bm = Bm.view(Bsz, T, G, N).repeat_interleave(H // G, dim=2)
+        x, Bm, Cm = xbc.split([self.x_dim, self.b_dim, self.bc_dim], dim=-1)
+        # every head of x and group of B and C serves consecutive heads (none shared: one each)
+        x = x.view(Bsz, T, self.x_heads, P).repeat_interleave(H // self.x_heads, dim=2)
+        Bm = Bm.view(Bsz, T, self.b_groups, N).repeat_interleave(H // self.b_groups, dim=2)
         Cm = Cm.view(Bsz, T, G, N).repeat_interleave(H // G, dim=2)
         dt = F.softplus(dt.float() + self.dt_bias.float())  # [B, T, H]
         A = -self.A_log.float().exp()

@@ -5,14 +5,15 @@
     [k_nope | v] = W_kv_up(RMSNorm(c_kv))                        per head
     o            = W_o softmax(q k^T * scale + causal) v,  k = [k_nope | RoPE(k_r)],  q = [q_nope | RoPE(q_rope)]
 
+Without the two latent RMSNorms where ``latent_norm`` is off: an MLA upcycled from attention, whose low-rank
+factors reproduce the attention's projections only as plain products (hybridtitan.upcycle).
+
 RoPE rotates the two halves of the rope channels (rotate-half); the same layout is used by the exported model,
 so no channel permutation is ever needed. YaRN scaling follows DeepSeek-V2 (a scaling factor of 1 is plain RoPE).
 Decoding caches the latent c_kv and the rotated k_r: (kv_lora_rank + qk_rope_head_dim) numbers per token.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn as nn
@@ -22,37 +23,13 @@ from hybridtitan.ops import Kernels
 
 from .args import MLAArgs
 from .common import RMSNorm, fused_linear
+from .rope import apply_rope, positions_of, rope_cos_sin, yarn_inv_freq, yarn_mscale
 
 
-def yarn_mscale(factor: float, mscale: float) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def rope_inv_freq(args: MLAArgs, device=None) -> torch.Tensor:
-    """Inverse frequencies of the rope channels, YaRN-interpolated when rope_scaling_factor > 1."""
-    dim, base = args.qk_rope_head_dim, args.rope_theta
-    extra = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
-    if args.rope_scaling_factor <= 1:
-        return extra
-    inter = extra / args.rope_scaling_factor
-
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(args.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low = max(math.floor(correction_dim(args.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(args.beta_slow)), dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
-    keep = 1 - ramp  # 1: keep the original (high) frequency, 0: interpolate
-    return inter * (1 - keep) + extra * keep
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, D]; cos, sin: [B or 1, T, 1, D] (float32). Rotate-half layout."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated * sin).to(x.dtype)
+def mla_inv_freq(args: MLAArgs, device=None) -> torch.Tensor:
+    """Frequencies of the rope channels, YaRN-interpolated when rope_scaling_factor > 1."""
+    return yarn_inv_freq(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling_factor,
+                         args.original_max_position_embeddings, args.beta_fast, args.beta_slow, device)
 
 
 class MultiLatentAttention(nn.Module):
@@ -64,12 +41,14 @@ class MultiLatentAttention(nn.Module):
         self.qk_head_dim = args.qk_nope_head_dim + args.qk_rope_head_dim
         if args.q_lora_rank > 0:
             self.q_down_proj = nn.Linear(dim, args.q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(args.q_lora_rank, eps=norm_eps, kernels=kernels)
+            if args.latent_norm:
+                self.q_norm = RMSNorm(args.q_lora_rank, eps=norm_eps, kernels=kernels)
             self.q_up_proj = nn.Linear(args.q_lora_rank, args.num_heads * self.qk_head_dim, bias=False)
         else:
             self.q_proj = nn.Linear(dim, args.num_heads * self.qk_head_dim, bias=False)
         self.kv_down_proj = nn.Linear(dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
-        self.kv_norm = RMSNorm(args.kv_lora_rank, eps=norm_eps, kernels=kernels)
+        if args.latent_norm:
+            self.kv_norm = RMSNorm(args.kv_lora_rank, eps=norm_eps, kernels=kernels)
         self.kv_up_proj = nn.Linear(args.kv_lora_rank, args.num_heads * (args.qk_nope_head_dim + args.v_head_dim),
                                     bias=False)
         self.o_proj = nn.Linear(args.num_heads * args.v_head_dim, dim, bias=False)
@@ -78,18 +57,13 @@ class MultiLatentAttention(nn.Module):
         # YaRN scales cos/sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim)
         self.rope_mscale = yarn_mscale(args.rope_scaling_factor, args.mscale) / m
 
-    def _rope(self, positions: torch.Tensor):
-        freqs = positions.float().unsqueeze(-1) * rope_inv_freq(self.args, positions.device)  # [.., T, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return (emb.cos() * self.rope_mscale).unsqueeze(-2), (emb.sin() * self.rope_mscale).unsqueeze(-2)
-
     def forward(self, x: torch.Tensor, cu_seqlens=None, cache=None, rows: int = 1, **_) -> torch.Tensor:
         B, T, _ = x.shape
         a = self.args
         H = self.num_heads
         if a.q_lora_rank > 0:
             q_latent, kv_latent = fused_linear(x, self.q_down_proj, self.kv_down_proj)
-            q = self.q_up_proj(self.q_norm(q_latent))
+            q = self.q_up_proj(self.q_norm(q_latent) if a.latent_norm else q_latent)
         else:
             q, kv_latent = fused_linear(x, self.q_proj, self.kv_down_proj)
         q = q.view(B, T, H, self.qk_head_dim)
@@ -97,11 +71,8 @@ class MultiLatentAttention(nn.Module):
         c_kv, k_rope = kv_latent.split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
 
         offset = cache["c_kv"].shape[1] if cache is not None and "c_kv" in cache else 0
-        if rows > 1:  # packed documents arrive as one row of rows * seq_len: positions restart on each row
-            positions = torch.arange(T, device=x.device) % (T // rows)
-        else:
-            positions = torch.arange(offset, offset + T, device=x.device)
-        cos, sin = self._rope(positions.unsqueeze(0))
+        positions = positions_of(T, rows, offset, x.device)
+        cos, sin = rope_cos_sin(positions.unsqueeze(0), mla_inv_freq(a, x.device), self.rope_mscale)
         q_rope = apply_rope(q_rope, cos, sin)
         k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin)
         if cache is not None:
@@ -110,7 +81,7 @@ class MultiLatentAttention(nn.Module):
                 k_rope = torch.cat([cache["k_rope"], k_rope], dim=1)
             cache["c_kv"], cache["k_rope"] = c_kv, k_rope
         S = c_kv.shape[1]
-        kv = self.kv_up_proj(self.kv_norm(c_kv)).view(B, S, H, a.qk_nope_head_dim + a.v_head_dim)
+        kv = self.kv_up_proj(self.kv_norm(c_kv) if a.latent_norm else c_kv).view(B, S, H, a.qk_nope_head_dim + a.v_head_dim)
         k_nope, v = kv.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(B, S, H, a.qk_rope_head_dim)], dim=-1)

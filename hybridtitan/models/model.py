@@ -1,7 +1,7 @@
 """HybridLM: embedding, one pre-norm residual sublayer per pattern symbol, final RMSNorm, LM head.
 
     h_0 = E[input_ids]
-    h_i = h_{i-1} + f_i(RMSNorm_i(h_{i-1}))      f_i: MLA attention ('*'), the mixer ('M') or SwiGLU ('-')
+    h_i = h_{i-1} + f_i(RMSNorm_i(h_{i-1}))      f_i: attention ('*'), the mixer ('M') or SwiGLU ('-')
     logits = RMSNorm(h_n) W_out^T                (W_out = E with tied embeddings)
 
 Plain nn.Modules: no device, parallelism or kernel choice here (hybridtitan.parallel wraps the sublayers from
@@ -11,7 +11,7 @@ to a device with ``to_empty``, then call ``init_weights``.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, MutableSequence
 
 import torch
 import torch.nn as nn
@@ -22,6 +22,7 @@ from hybridtitan.ops import Kernels
 from .args import ModelArgs
 from .common import GatedRMSNorm, RMSNorm, ShortConvolution, SwiGLU
 from .gdn import GatedDeltaNet
+from .gqa import GroupedQueryAttention
 from .kda import KimiDeltaAttention
 from .mamba2 import Mamba2
 from .mla import MultiLatentAttention
@@ -31,14 +32,16 @@ BODY_NAMES = {"attention": "attn", "mixer": "mixer", "mlp": "mlp"}
 
 
 class Sublayer(nn.Module):
-    """A pre-norm residual sublayer, x -> x + f(RMSNorm(x)), f one of: MLA attention ('attention'), the mixer
-    ('mixer'), SwiGLU ('mlp')."""
+    """A pre-norm residual sublayer, x -> x + f(RMSNorm(x)), f one of: attention ('attention': MLA, or
+    grouped-query attention where model.attention is "gqa"), the mixer ('mixer'), SwiGLU ('mlp')."""
 
     def __init__(self, kind: str, args: ModelArgs, kernels: Kernels = ops.DEFAULT):
         super().__init__()
         self.kind = kind
         self.norm = RMSNorm(args.dim, eps=args.norm_eps, kernels=kernels)
-        if kind == "attention":
+        if kind == "attention" and args.attention == "gqa":
+            self.attn = GroupedQueryAttention(args.dim, args.gqa, kernels)
+        elif kind == "attention":
             self.attn = MultiLatentAttention(args.dim, args.mla, args.norm_eps, kernels)
         elif kind == "mixer":
             self.mixer = MIXER_CLASSES[args.mixer](args.dim, getattr(args, args.mixer), args.norm_eps, kernels)
@@ -78,6 +81,29 @@ class LayerState(MutableMapping):
 
     def __len__(self):
         return len(self._state)
+
+
+class StreamRecord(MutableSequence):
+    """A list for ``collect`` (the residual stream at each sublayer) that is no list: FSDP2's pre-forward rebuilds
+    every list among a sharded module's arguments, so what the forward appended to a list would be lost."""
+
+    def __init__(self):
+        self._items: list = []
+
+    def __getitem__(self, i):
+        return self._items[i]
+
+    def __setitem__(self, i, value):
+        self._items[i] = value
+
+    def __delitem__(self, i):
+        del self._items[i]
+
+    def __len__(self):
+        return len(self._items)
+
+    def insert(self, i, value):
+        self._items.insert(i, value)
 
 
 class InferenceCache:
@@ -124,7 +150,7 @@ class HybridLM(nn.Module):
                 x, rows = x.reshape(1, B * T, -1), B
         for i, layer in enumerate(self.layers):
             if collect is not None:
-                collect.append(x.view(B, T, -1))
+                collect.append(_summed(x).view(B, T, -1))
             x = layer(x, cu_seqlens=cu_seqlens, cache=cache.layer(i) if cache is not None else None, rows=rows)
         out = self.norm(x).view(B, T, -1)
         if collect is not None:
@@ -133,22 +159,59 @@ class HybridLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, cu_seqlens=None,
                 cache: InferenceCache | None = None, ignore_index: int = -100, loss_chunk_size: int = 4096,
-                reduction: str = "mean"):
+                reduction: str = "mean", head=None, collect: list | None = None):
         """The logits [B, T, V] in float32, or given ``labels`` the cross-entropy over the counted ones (the logits
         then formed ``loss_chunk_size`` tokens at a time, never whole): their mean, or with ``reduction="sum"``
-        (the trainer's, which divides by the count of its whole step) the pair (summed loss, count)."""
-        h = self.hidden_states(input_ids, cu_seqlens=cu_seqlens, cache=cache)
+        (the trainer's, which divides by the count of its whole step) the pair (summed loss, count).
+        ``head``: a function of the final hidden states and the output weight whose result is returned instead
+        (a distillation loss, hybridtitan.distill); ``collect`` as in ``hidden_states``."""
+        h = self.hidden_states(input_ids, cu_seqlens=cu_seqlens, cache=cache, collect=collect)
+        if head is not None:
+            return head(h, self.output_weight)
         if labels is None:
             return (h @ self.output_weight.t()).float()
         loss_sum, count = self.ops.linear_cross_entropy(h, self.output_weight, labels, ignore_index=ignore_index,
                                                         chunk_size=loss_chunk_size)
         return (loss_sum, count) if reduction == "sum" else loss_sum / count.clamp(min=1)
 
+    def blocks(self) -> list[range]:
+        """The sublayers grouped as layer distillation compares them: each token-mixing sublayer (attention or
+        mixer) with the MLPs after it (a Llama layer: attention, then MLP)."""
+        starts = [i for i, layer in enumerate(self.layers) if layer.kind != "mlp"]
+        if not starts or starts[0] != 0:
+            raise ValueError(f"pattern {self.args.pattern!r}: layer distillation needs a token-mixing sublayer first")
+        return [range(s, e) for s, e in zip(starts, [*starts[1:], len(self.layers)])]
+
+    def teacher_forced(self, streams: list[torch.Tensor], cu_seqlens=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Layer distillation's forward (Zebra-Llama's): each block (``blocks``) fed the residual stream that enters
+        it in another model (``streams``: that model's ``hidden_states(collect=...)``, [B, T, D] per sublayer),
+        returning per block its output as ``collect`` records it (the stream entering the next sublayer; after the
+        last, the final-normed states) and its token-mixing sublayer's output f(norm(x)), [B, T, D] each."""
+        B, T, _ = streams[0].shape
+        rows = B if cu_seqlens is not None and B > 1 else 1
+        if cu_seqlens is not None:
+            cu_seqlens = cu_seqlens.long()
+        out = []
+        for block in self.blocks():
+            x = streams[block.start].reshape(1, B * T, -1) if rows > 1 else streams[block.start]
+            y = self.layers[block.start](x, cu_seqlens=cu_seqlens, rows=rows)
+            mixed = y[1] if isinstance(y, tuple) else y - x  # under the fused residual: (stream, branch)
+            for i in block[1:]:
+                y = self.layers[i](y, cu_seqlens=cu_seqlens, rows=rows)
+            y = _summed(y) if block.stop < len(self.layers) else self.norm(_summed(y))
+            out.append((y.view(B, T, -1), mixed.view(B, T, -1)))
+        return out
+
     @torch.no_grad()
     def init_weights(self) -> None:
         """The reference initialisation of every module (see ``init_module``)."""
         for module in self.modules():
             init_module(module, self.args.init_std)
+
+
+def _summed(x):
+    """The residual stream, where the fused residual kernels carry it as a pair (x, branch) whose sum it is."""
+    return x[0] + x[1] if isinstance(x, tuple) else x
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import cross_entropy, reference
+from . import cross_entropy, distill, reference
 
 __all__ = ["KernelConfig", "Kernels", "DEFAULT"]
 
@@ -249,8 +249,8 @@ class Kernels:
         return F.linear(F.silu(gate) * up, weight)
 
     def attention(self, q, k, v, scale, cu_seqlens=None, rows=1):
-        """Causal attention. q, k: [B, T, H, Dk]; v: [B, T, H, Dv]; packed documents as ``cu_seqlens`` over a batch
-        of one flattened from ``rows`` rows."""
+        """Causal attention. q: [B, T, H, Dk]; k: [B, T, Hk, Dk]; v: [B, T, Hk, Dv] (Hk dividing H: grouped-query
+        heads); packed documents as ``cu_seqlens`` over a batch of one flattened from ``rows`` rows."""
         if self.backend_for(q) == "fla":
             return _fla().attention(q, k, v, scale, cu_seqlens, rows)
         return reference.causal_attention(q, k, v, scale, cu_seqlens, rows)
@@ -272,6 +272,29 @@ class Kernels:
                                                   chunk_size=chunk_size, chunk_fn=chunk_fn)
 
 
+    def linear_kl_div(self, hidden, weight, t_hidden, t_weight, targets, temperature: float = 1.0,
+                      kl_weight: float = 1.0, ce_weight: float = 0.0, ignore_index: int = -100, chunk_size: int = 1024):
+        """(loss, summed KL_T, summed cross-entropy, counted tokens) of a student's hidden states and output weight
+        against a teacher's, a chunk of tokens at a time (``distill``): loss = kl_weight * T^2 * KL_T +
+        ce_weight * CE. On GPUs at temperature 1 the KL is FLA's fused kernel (and the cross-entropy, where
+        weighted, ours); elsewhere each chunk's elementwise part eager, or compiled where the config asks."""
+        if (self.backend_for(hidden) == "fla" and temperature == 1 and torch.is_grad_enabled()
+                and (hidden.requires_grad or weight.requires_grad)):
+            h, th, t = hidden.reshape(-1, hidden.shape[-1]), t_hidden.reshape(-1, t_hidden.shape[-1]), targets.reshape(-1)
+            valid = t != ignore_index
+            kl = _fla().kl_div(h, weight, th.to(h.dtype), t_weight.to(weight.dtype), valid)
+            loss, ce = kl_weight * kl, torch.zeros((), device=h.device)
+            if ce_weight:
+                ce, _ = self.linear_cross_entropy(h, weight, t, ignore_index=ignore_index, chunk_size=chunk_size)
+                loss = loss + ce_weight * ce
+            return loss, kl.detach(), ce.detach(), valid.sum()
+        chunk_fn = distill.compiled_kl_chunk() if self.config.compiled_loss and not self.config.reference else \
+            distill.kl_chunk
+        return distill.linear_kl_div(hidden, weight, t_hidden, t_weight, targets, temperature=temperature,
+                                     kl_weight=kl_weight, ce_weight=ce_weight, ignore_index=ignore_index,
+                                     chunk_size=chunk_size, chunk_fn=chunk_fn)
+
+
 DEFAULT = Kernels()
 
 # the default configuration's ops as functions, for tests and tools
@@ -279,4 +302,5 @@ gated_delta_rule, kda, simple_gla = DEFAULT.gated_delta_rule, DEFAULT.kda, DEFAU
 causal_conv1d, short_conv = DEFAULT.causal_conv1d, DEFAULT.short_conv
 rms_norm, add_rms_norm, gated_rms_norm = DEFAULT.rms_norm, DEFAULT.add_rms_norm, DEFAULT.gated_rms_norm
 swiglu_linear, attention, linear_cross_entropy = DEFAULT.swiglu_linear, DEFAULT.attention, DEFAULT.linear_cross_entropy
+linear_kl_div = DEFAULT.linear_kl_div
 backend_for = DEFAULT.backend_for

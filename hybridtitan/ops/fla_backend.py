@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from fla.modules.activations import swiglu_linear as _fla_swiglu_linear
 from fla.modules.convolution import causal_conv1d as _fla_causal_conv1d
+from fla.modules.fused_kl_div import fused_kl_div_loss
 from fla.modules.fused_norm_gate import rms_norm_gated as _fla_rms_norm_gated
 from fla.modules.layernorm import rms_norm as _fla_rms_norm
 from fla.modules.norm.layernorm_gated import rmsnorm_fn as _fla_group_rmsnorm
@@ -233,7 +234,19 @@ def attention(q, k, v, scale, cu_seqlens, rows):
         return causal_attention(q, k, v, scale)
     if cu_seqlens is None:
         out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
+            enable_gqa=k.shape[2] != q.shape[2],
         )
         return out.transpose(1, 2)
-    return parallel_attn(q, k, v, scale=scale, cu_seqlens=cu_seqlens)
+    return parallel_attn(q, k, v, scale=scale, cu_seqlens=cu_seqlens)  # grouped-query heads taken as they are
+
+
+def kl_div(hidden, weight, t_hidden, t_weight, valid):
+    """Summed KL(teacher || student) over the valid rows, from both models' hidden states and output weights: FLA's
+    fused kernel (the logits formed a chunk at a time, the gradients computed in place). It averages over all the
+    rows it is given: the rows that do not count are zeroed in both models (equal, uniform distributions: no KL
+    and no gradient), which needs no host sync, and the mean is multiplied back by their number."""
+    mask = valid.to(hidden.dtype).unsqueeze(1)
+    mean = fused_kl_div_loss(hidden * mask, (t_hidden * mask.to(t_hidden.dtype)).detach(), weight,
+                             t_weight.detach(), reduction="batchmean")
+    return mean * hidden.shape[0]

@@ -278,10 +278,13 @@ def causal_attention(
 ) -> torch.Tensor:
     """Causal softmax attention with SDPA; with ``cu_seqlens`` no token attends across a document.
 
-    q, k: [B, T, H, Dk]; v: [B, T, H, Dv]. Packed documents arrive flattened as a batch of one; ``batch_rows``
-    (the rows they were flattened from) keeps the attention per row, so its cost does not grow with B^2.
+    q: [B, T, H, Dk]; k: [B, S, Hk, Dk]; v: [B, S, Hk, Dv], Hk dividing H (grouped-query attention: key/value head
+    j serves query heads j * H / Hk ... (j + 1) * H / Hk - 1). Packed documents arrive flattened as a batch of one;
+    ``batch_rows`` (the rows they were flattened from) keeps the attention per row, so its cost does not grow with
+    B^2.
     """
     B, T = q.shape[:2]
+    gqa = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
     if cu_seqlens is None:
         S = k.shape[1]
         mask = None
@@ -289,7 +292,7 @@ def causal_attention(
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
-            scale=scale,
+            scale=scale, **gqa,
         )
         return out.transpose(1, 2)
     bounds = segment_bounds(B, T, cu_seqlens)
@@ -301,5 +304,5 @@ def causal_attention(
     causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
     mask = (seg.unsqueeze(-1) == seg.unsqueeze(-2)) & causal  # [rows, L, L]
     qr, kr, vr = (x.view(rows, L, *x.shape[2:]).transpose(1, 2) for x in (q, k, v))
-    out = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask.unsqueeze(1), scale=scale)
+    out = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask.unsqueeze(1), scale=scale, **gqa)
     return out.transpose(1, 2).reshape(B, T, out.shape[1], out.shape[-1])

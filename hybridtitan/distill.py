@@ -1,0 +1,180 @@
+"""Distillation in the train loop: a frozen teacher beside the student, and the losses the recipe's [distill]
+section weighs (Zebra-Llama's and HyLo's recipes; docs/upcycling.md).
+
+    teacher = check_teacher(cfg, student_args, tokenizer)     preflight: a teacher that does not fit the student
+                                                              is one line, exit code 2, before anything is written
+    distiller = Distiller(cfg.distill, teacher, mesh, ...)    the Trainer: the teacher built, loaded and sharded
+    for loss, parts in distiller.losses(model, batch):        a micro-batch: the teacher's forward without
+        loss.backward()                                       gradients, then the student's forward(s)
+
+The teacher is a HybridLM like the student (a Llama is a pattern of grouped-query attention and MLPs), built and
+sharded with FSDP2 the same way, its parameters in the training's 16-bit dtype on GPUs: it takes no gradient, has
+no optimizer state and is never in a checkpoint (it is read again from its folder on a resume). Per micro-batch:
+
+* KL and cross-entropy (kl_weight, ce_weight): the student's forward ends in ``ops.linear_kl_div`` over its final
+  hidden states and output weight and the teacher's, a chunk of tokens at a time;
+* layer distillation (layer_weight): the student's ``teacher_forced`` forward, each block fed the teacher's stream,
+  and per block the L2 distance of its output and of its mixing sublayer's output from the teacher's
+  (``ops.layer_distance``), summed over the blocks.
+
+Each is a sum over the counted tokens (the EOD mask and ignored labels as for the cross-entropy), which the loop
+divides by the global batch's count: the same step for any split into micro-batches and ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+
+import torch
+
+from hybridtitan.config import ConfigError
+from hybridtitan.data.loader import IGNORE_INDEX
+from hybridtitan.errors import ConversionError
+from hybridtitan.models import ModelArgs
+from hybridtitan.models.flops import flops_per_token
+from hybridtitan.models.model import StreamRecord
+from hybridtitan.ops.distill import layer_distance
+
+logger = logging.getLogger("hybridtitan")
+
+
+@dataclasses.dataclass(frozen=True)
+class Teacher:
+    """A teacher that preflight found to fit the student."""
+
+    path: str
+    args: ModelArgs
+
+
+def vocabulary_fingerprint(tokenizer) -> str:
+    """A short hash of a tokenizer's token -> id map and special tokens: equal for tokenizers that encode alike."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    special = {k: v for k, v in sorted(tokenizer.special_tokens_map.items()) if isinstance(v, str)}
+    return hashlib.sha256(json.dumps([vocab, special], ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def check_teacher(cfg, student: ModelArgs, tokenizer) -> Teacher | None:
+    """The [distill] teacher, checked against the student without reading its weights: a model folder that loads,
+    the student's vocabulary size and tokenizer, and for layer distillation the same sublayer structure and width.
+    ConfigError (one line) otherwise; None where the recipe names no teacher."""
+    from hybridtitan.checkpoint import CheckpointError
+    from hybridtitan.hf.convert import load_tokenizer
+    from hybridtitan.loader import read_model_args, tokenizer_path
+
+    d = cfg.distill
+    if not d.teacher:
+        return None
+    try:
+        args = read_model_args(d.teacher)
+        teacher_tokenizer = tokenizer_path(d.teacher)
+        teacher_tok = load_tokenizer(teacher_tokenizer) if teacher_tokenizer else None
+    except (CheckpointError, ConversionError) as e:
+        raise ConfigError(f"distill.teacher: {e}") from None
+    if args.vocab_size != student.vocab_size:
+        raise ConfigError(f"distill.teacher {d.teacher} has a vocabulary of {args.vocab_size}, the student "
+                          f"{student.vocab_size}: distillation compares their distributions token by token")
+    if teacher_tok is None:
+        logger.warning(f"distill.teacher {d.teacher} names no tokenizer: that it encodes as data.tokenizer cannot "
+                       "be checked")
+    elif tokenizer is not None and vocabulary_fingerprint(teacher_tok) != vocabulary_fingerprint(tokenizer):
+        raise ConfigError(f"distill.teacher {d.teacher}: its tokenizer ({teacher_tokenizer}) differs from "
+                          f"data.tokenizer ({cfg.data.tokenizer}): the same ids would mean other tokens")
+    if d.layer_weight:
+        structure = [k == "mlp" for k in args.kinds], [k == "mlp" for k in student.kinds]
+        if structure[0] != structure[1] or args.dim != student.dim:
+            raise ConfigError(f"distill.layer_weight: layer distillation pairs each block of the student with the "
+                              f"teacher's, but the teacher ({args.pattern}, dim {args.dim}) and the student "
+                              f"({student.pattern}, dim {student.dim}) differ in their MLPs' places or width")
+        if student.kinds[0] == "mlp":
+            raise ConfigError(f"distill.layer_weight: the pattern {student.pattern} starts with an MLP; layer "
+                              "distillation's blocks start with attention or a mixer")
+    return Teacher(d.teacher, args)
+
+
+def training_flops_per_token(args, seq_len: int, d, teacher) -> float:
+    """The training FLOPs per token of a step (models/flops.py): the student's forward and backward, and with a
+    teacher (hybridtitan.distill) its forward without the output layer, the teacher's logits the KL forms, and
+    for layer distillation the student's teacher-forced pass over its sublayers (no output layer)."""
+    student = flops_per_token(args, seq_len)
+    if teacher is None:
+        return student["total"]
+    t = flops_per_token(teacher.args, seq_len)
+    total = (t["total"] - t["output_layer"]) / 3
+    if d.kl_weight or d.ce_weight:
+        total += student["total"] + 2 * teacher.args.dim * teacher.args.vocab_size
+    if d.layer_weight:
+        total += student["total"] - student["output_layer"]
+    return total
+
+
+def _keep(hidden: torch.Tensor, output_weight: torch.Tensor):
+    # the output weight is FSDP's gathered copy only while the forward runs: kept as a copy
+    return hidden, output_weight.detach().clone()
+
+
+class Distiller:
+    """The teacher and the losses of one run."""
+
+    def __init__(self, d, teacher: Teacher, mesh, device: torch.device, kernels, param_dtype: torch.dtype):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        from hybridtitan.loader import read_model
+        from hybridtitan.models import build_model
+        from hybridtitan.parallel import parallelize
+
+        self.d, self.kernels = d, kernels
+        args, state, source = read_model(teacher.path)
+        model = build_model(args, "meta", kernels).to(param_dtype)
+        parallelize(model, mesh, ac_mode="none", ac_every=1, compile_model=False, param_dtype=param_dtype,
+                    reduce_dtype=param_dtype, reshard_after_forward="default")
+        model.to_empty(device=device)
+        set_model_state_dict(model, {k: v.to(param_dtype) for k, v in state.items()},
+                             options=StateDictOptions(full_state_dict=True, strict=True))
+        del state
+        self.teacher = model.requires_grad_(False).eval()
+        logger.info(f"distillation teacher: {source}, pattern {args.pattern}, {sum(p.numel() for p in model.parameters()):,} "
+                    f"parameters (sharded, {str(param_dtype).removeprefix('torch.')}); loss = {d.kl_weight} x T^2 x KL "
+                    f"+ {d.ce_weight} x CE + {d.layer_weight} x layer distance, T = {d.temperature}")
+
+    @torch.no_grad()
+    def teacher_forward(self, batch: dict, collect: bool):
+        """The teacher's final hidden states, output weight and (``collect``) residual stream at every sublayer."""
+        streams = StreamRecord() if collect else None
+        hidden, weight = self.teacher(batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"), head=_keep,
+                                      collect=streams)
+        return hidden, weight, streams
+
+    def losses(self, model, batch: dict) -> list[tuple[torch.Tensor, dict]]:
+        """(summed weighted loss, {part: summed value}) per student forward of this micro-batch, each to be
+        backpropagated: the KL / cross-entropy forward, the layer-distillation forward, or both."""
+        d = self.d
+        hidden, weight, streams = self.teacher_forward(batch, collect=bool(d.layer_weight))
+        out = []
+        if d.kl_weight or d.ce_weight:
+            head = functools.partial(self.kernels.linear_kl_div, t_hidden=hidden, t_weight=weight,
+                                     targets=batch["labels"], temperature=d.temperature, kl_weight=d.kl_weight,
+                                     ce_weight=d.ce_weight, ignore_index=IGNORE_INDEX, chunk_size=d.chunk_size)
+            loss, kl, ce, _ = model(batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"), head=head)
+            out.append((loss, {"kl": kl, "ce": ce} if d.ce_weight else {"kl": kl}))
+        if d.layer_weight:
+            valid = batch["labels"] != IGNORE_INDEX
+            total = torch.zeros((), dtype=torch.float32, device=valid.device)
+            outputs = model.teacher_forced(list(streams[:-1]), cu_seqlens=batch.get("cu_seqlens"))
+            for block, (stream, mixed) in zip(model.blocks(), outputs):
+                total = total + layer_distance(stream, streams[block.stop], valid) + \
+                    layer_distance(mixed, streams[block.start + 1] - streams[block.start], valid)
+            out.append((d.layer_weight * total, {"layer": total.detach()}))
+        return out
+
+    @torch.no_grad()
+    def held_out(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(summed cross-entropy, summed KL at temperature 1, counted tokens) of a held-out batch."""
+        hidden, weight, _ = self.teacher_forward(batch, collect=False)
+        head = functools.partial(self.kernels.linear_kl_div, t_hidden=hidden, t_weight=weight, targets=batch["labels"],
+                                 ignore_index=IGNORE_INDEX, chunk_size=self.d.chunk_size)
+        _, kl, ce, count = model(batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"), head=head)
+        return ce, kl, count

@@ -1,0 +1,511 @@
+"""Upcycling a Llama into a hybrid (Zebra-Llama, HyLo): a step-0 checkpoint that distillation starts from.
+
+    python -m hybridtitan.upcycle --model LLAMA --mixer mamba2 --attention-layers 0,5,10,14 \\
+        --output DUMP/checkpoint/step-0
+    python -m hybridtitan.upcycle select --teacher LLAMA --student ILD_MAMBA2 --data VALIDATION --count 4
+
+The Llama's layers in --attention-layers keep attention as multi-latent attention (MLA), the others become the
+mixer; embeddings, norms and MLPs are copied. Each new sublayer starts from the attention it replaces:
+
+* MLA (Zebra-Llama's re_init_q / re_init_kv): queries from the SVD of W_Q cut to the q rank,
+  W_Q ~ U_r (S_r V_r^T) = q_up q_down; keys and values from one SVD of the GQA-expanded [W_K; W_V] cut to the kv
+  rank, kv_down = S_r V_r^T and kv_up = U_r split into per-head key (no-RoPE) and value rows; the RoPE key shared
+  by all heads, the mean over the key/value heads of W_K's RoPE rows. W_O is o_proj. No latent norms: the factors
+  reproduce the projections as plain products. The RoPE rows are whole rotation pairs of each head whose Llama
+  frequency the MLA's RoPE has (every (head_dim / rope dims)-th pair), so their rotations stay the Llama's (up to
+  the frequency scalings); the other pairs become the no-RoPE channels.
+* Mamba2 (MambaInLlama): x <- W_V, B <- W_K (for the key/value heads, shared by their groups of heads as in the
+  attention), C <- W_Q, out_proj <- W_O, one head per attention head; z, dt, A, D, the convolution and the norm
+  fresh.
+* Gated DeltaNet (HyLo): q <- W_Q, k <- W_K and v <- W_V repeated to every head, o_proj <- W_O (the overlapping
+  blocks where the sizes differ); gates, beta, convolutions and the output norm fresh.
+
+The output says how much of each projection the ranks keep (the singular values discarded). --attention-from and
+--mixers-from take those sublayers (with their MLPs) from students already trained by layer distillation instead
+(an all-MLA and an all-mixer student of the same shapes: Zebra-Llama's second stage).
+
+``select`` ranks the layers of an all-mixer student (after layer distillation) by how much swapping each one
+back to MLA lowers the KL divergence to the teacher on held-out data, and prints the chosen layers and pattern.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+
+import torch
+
+from hybridtitan.cli import OneLineParser, fail
+from hybridtitan.errors import ConversionError
+
+MIXERS = ("mamba2", "gdn")
+
+
+# ------------------------------------------------------------------------------------------------ linear algebra
+
+
+@dataclasses.dataclass
+class Kept:
+    """What a rank-r factorisation of a matrix keeps: the share of its energy (sum of squared singular values)
+    and the relative Frobenius error of the product, sqrt(discarded / total)."""
+
+    name: str
+    rank: int
+    full_rank: int
+    energy: float
+
+    @property
+    def relative_error(self) -> float:
+        return math.sqrt(max(1.0 - self.energy, 0.0))
+
+    def __str__(self) -> str:
+        return (f"{self.name} rank {self.rank} of {self.full_rank} keeps {100 * self.energy:.2f}% of its energy "
+                f"(relative error {self.relative_error:.4f})")
+
+
+def low_rank(matrix: torch.Tensor, rank: int, name: str) -> tuple[torch.Tensor, torch.Tensor, Kept]:
+    """(up [m, rank], down [rank, n], what was kept) with up @ down the best rank-``rank`` approximation of
+    ``matrix`` [m, n]: up = U_r, down = diag(S_r) V_r^T (float32)."""
+    U, S, Vh = torch.linalg.svd(matrix.float(), full_matrices=False)
+    if rank > S.numel():
+        raise ConversionError(f"{name}: rank {rank} exceeds the {S.numel()} singular values of a "
+                              f"{tuple(matrix.shape)} matrix")
+    energy = (S[:rank].square().sum() / S.square().sum().clamp_min(1e-30)).item()
+    return U[:, :rank], S[:rank, None] * Vh[:rank], Kept(name, rank, S.numel(), energy)
+
+
+def rope_rows(head_dim: int, rope_dims: int, nope_dims: int) -> tuple[list[int], list[int]]:
+    """Rows of a Llama head (rotate-half RoPE: row j pairs with j + head_dim / 2 at frequency theta^(-2j/head_dim))
+    that become an MLA head's RoPE channels and its no-RoPE channels. The MLA's rope pair i turns at
+    theta^(-2i/rope_dims), the Llama's pair j = i * head_dim / rope_dims: those whole pairs, in rotate-half order,
+    are the RoPE rows; the first nope_dims of the rest are the no-RoPE rows."""
+    if rope_dims % 2 or head_dim % rope_dims:
+        raise ConversionError(f"qk_rope_head_dim {rope_dims} must be even and divide the attention's head_dim "
+                              f"{head_dim} (its RoPE pairs are taken whole)")
+    if rope_dims + nope_dims > head_dim:
+        raise ConversionError(f"qk_rope_head_dim + qk_nope_head_dim ({rope_dims} + {nope_dims}) exceed the attention's "
+                              f"head_dim {head_dim}")
+    half, stride = head_dim // 2, head_dim // rope_dims
+    pairs = [i * stride for i in range(rope_dims // 2)]
+    rope = pairs + [j + half for j in pairs]
+    rest = [r for r in range(head_dim) if r not in set(rope)]
+    return rope, rest[:nope_dims]
+
+
+def repeat_heads(w: torch.Tensor, heads: int, head_dim: int, groups: int) -> torch.Tensor:
+    """[heads * head_dim, D] -> [heads * groups * head_dim, D], each head's rows repeated for its group (as
+    grouped-query attention serves query heads h * groups ... from key/value head h)."""
+    return w.view(heads, head_dim, -1).repeat_interleave(groups, dim=0).reshape(heads * groups * head_dim, -1)
+
+
+def mla_from_attention(attn: dict[str, torch.Tensor], gqa, mla) -> tuple[dict[str, torch.Tensor], list[Kept]]:
+    """MLA weights (our names) from one grouped-query attention's q_proj, k_proj, v_proj, o_proj weights."""
+    H, KV, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
+    if mla.num_heads != H or mla.v_head_dim != d:
+        raise ConversionError(f"an MLA from attention keeps its {H} heads and value dims {d} (got num_heads "
+                              f"{mla.num_heads}, v_head_dim {mla.v_head_dim})")
+    rope, nope = rope_rows(d, mla.qk_rope_head_dim, mla.qk_nope_head_dim)
+    per_head = nope + rope  # an MLA head's query/key channels: [no-RoPE | RoPE]
+    out, kept = {}, []
+    wq = attn["q_proj.weight"].float()
+    if mla.q_lora_rank > 0:
+        up, down, k = low_rank(wq, mla.q_lora_rank, "W_Q")
+        out["q_down_proj.weight"] = down
+        out["q_up_proj.weight"] = up.view(H, d, -1)[:, per_head].reshape(H * len(per_head), -1)
+        kept.append(k)
+    else:
+        out["q_proj.weight"] = wq.view(H, d, -1)[:, per_head].reshape(H * len(per_head), -1)
+    wk, wv = attn["k_proj.weight"].float(), attn["v_proj.weight"].float()
+    stacked = torch.cat([repeat_heads(wk, KV, d, H // KV), repeat_heads(wv, KV, d, H // KV)])
+    up, down, k = low_rank(stacked, mla.kv_lora_rank, "[W_K; W_V]")
+    kept.append(k)
+    k_up, v_up = up[:H * d].view(H, d, -1)[:, nope], up[H * d:].view(H, d, -1)
+    out["kv_up_proj.weight"] = torch.cat([k_up, v_up], dim=1).reshape(H * (len(nope) + d), -1)
+    shared_rope_key = wk.view(KV, d, -1)[:, rope].mean(0)
+    out["kv_down_proj.weight"] = torch.cat([down, shared_rope_key])
+    out["o_proj.weight"] = attn["o_proj.weight"].float()
+    return out, kept
+
+
+def mamba2_from_attention(attn: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor], gqa, m,
+                          dim: int) -> dict[str, torch.Tensor]:
+    """Mamba2 weights (our names): in_proj's x, B and C rows from W_V, W_K and W_Q, out_proj from W_O; z, dt and
+    everything else from ``fresh`` (the student's own initialisation)."""
+    H, KV, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
+    inner = dim * m.expand
+    if (m.expand, m.head_dim, m.d_state, m.n_groups, m.xb_heads, inner) != (1, d, d, H, KV, H * d):
+        raise ConversionError(f"a Mamba2 from attention has one head per attention head: expand 1, head_dim and "
+                              f"d_state {d}, n_groups {H}, xb_heads {KV} (got expand {m.expand}, head_dim "
+                              f"{m.head_dim}, d_state {m.d_state}, n_groups {m.n_groups}, xb_heads {m.xb_heads})")
+    in_proj = fresh["in_proj.weight"].float().clone()
+    rows = [inner, KV * d, KV * d, H * d]  # z, x, B, C (dt after them)
+    _, x, b, c = in_proj[: sum(rows)].split(rows)
+    x.copy_(attn["v_proj.weight"])
+    b.copy_(attn["k_proj.weight"])
+    c.copy_(attn["q_proj.weight"])
+    return {**{k: v.float() for k, v in fresh.items()}, "in_proj.weight": in_proj,
+            "out_proj.weight": attn["o_proj.weight"].float()}
+
+
+def gdn_from_attention(attn: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor], gqa) -> dict[str, torch.Tensor]:
+    """Gated DeltaNet weights (our names): q, k, v and o projections from the attention's (keys and values repeated
+    to every head; the overlapping block where the sizes differ), everything else from ``fresh``."""
+    H, KV, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
+    source = {"q_proj.weight": attn["q_proj.weight"], "k_proj.weight": repeat_heads(attn["k_proj.weight"], KV, d, H // KV),
+              "v_proj.weight": repeat_heads(attn["v_proj.weight"], KV, d, H // KV), "o_proj.weight": attn["o_proj.weight"]}
+    out = {k: v.float().clone() for k, v in fresh.items()}
+    for name, w in source.items():
+        rows, cols = min(w.shape[0], out[name].shape[0]), min(w.shape[1], out[name].shape[1])
+        out[name][:rows, :cols] = w[:rows, :cols]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the model
+
+
+def sublayer_state(state: dict[str, torch.Tensor], index: int, body: str | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of sublayer ``index`` (of its body ``body`` alone, where given), names relative to it."""
+    prefix = f"layers.{index}." + (f"{body}." if body else "")
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def upcycle_state(llama, llama_state: dict[str, torch.Tensor], student, fresh: dict[str, torch.Tensor],
+                  attention_from: dict[str, torch.Tensor] | None = None,
+                  mixers_from: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The student's state from the Llama's (``fresh``: the student's own initialisation, for what attention does
+    not give), and a line per layer saying what its new sublayer kept. ``attention_from`` / ``mixers_from``: states
+    of trained students of the same shapes whose MLA / mixer layers (with the MLP after each) are taken whole."""
+    out = {k: v.float() for k, v in llama_state.items() if not k.startswith("layers.")}
+    report = []
+    for i, kind in enumerate(student.kinds):
+        if kind == "mlp":
+            continue
+        trained = attention_from if kind == "attention" else mixers_from
+        if trained is not None:
+            for j in (i, i + 1):  # the sublayer and the MLP after it, as layer distillation trained them
+                out.update({f"layers.{j}.{k}": v.float() for k, v in sublayer_state(trained, j).items()})
+            report.append(f"layer {i // 2}: {'MLA' if kind == 'attention' else student.mixer} from the trained student")
+            continue
+        for j in (i, i + 1):  # the norms and the MLP, as they are
+            out[f"layers.{j}.norm.weight"] = llama_state[f"layers.{j}.norm.weight"].float()
+        out.update({f"layers.{i + 1}.mlp.{k}": v.float() for k, v in sublayer_state(llama_state, i + 1, "mlp").items()})
+        attn = sublayer_state(llama_state, i, "attn")
+        if kind == "attention":
+            body, kept = mla_from_attention(attn, llama.gqa, student.mla)
+            report.append(f"layer {i // 2}: MLA: " + "; ".join(map(str, kept)))
+            name = "attn"
+        elif student.mixer == "mamba2":
+            body = mamba2_from_attention(attn, sublayer_state(fresh, i, "mixer"), llama.gqa, student.mamba2,
+                                         student.dim)
+            report.append(f"layer {i // 2}: Mamba2: x, B, C and out_proj from W_V, W_K, W_Q and W_O")
+            name = "mixer"
+        else:
+            body = gdn_from_attention(attn, sublayer_state(fresh, i, "mixer"), llama.gqa)
+            report.append(f"layer {i // 2}: GDN: q, k, v and o projections from the attention's")
+            name = "mixer"
+        out.update({f"layers.{i}.{name}.{k}": v for k, v in body.items()})
+    return out, report
+
+
+def parse_layers(text: str, n_layers: int) -> list[int]:
+    """'0,5,10,14', 'all' or 'none' -> layer indices; ConversionError for an index outside the model."""
+    t = text.strip().lower()
+    if t == "all":
+        return list(range(n_layers))
+    if t in ("none", ""):
+        return []
+    try:
+        layers = sorted({int(x) for x in t.split(",") if x.strip()})
+    except ValueError:
+        raise ConversionError(f"--attention-layers must be comma-separated layer indices, all or none (got {text!r})") from None
+    bad = [i for i in layers if not 0 <= i < n_layers]
+    if bad:
+        raise ConversionError(f"--attention-layers: layer {bad[0]} is out of range: the Llama has {n_layers} layers "
+                              f"(0-{n_layers - 1})")
+    return layers
+
+
+def student_args(llama, attention_layers: list[int], mixer: str, **ranks):
+    from hybridtitan.models.flavors import upcycled
+
+    if mixer not in MIXERS:
+        raise ConversionError(f"--mixer {mixer!r}: upcycling initialises {' or '.join(MIXERS)} from attention (no "
+                              "public initialisation of KDA from attention is known)")
+    try:
+        args = upcycled(llama, attention_layers, mixer, **ranks)
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
+    rope_rows(llama.gqa.head_dim, args.mla.qk_rope_head_dim, args.mla.qk_nope_head_dim)  # fits, said before any work
+    return args
+
+
+ROPE_EXTENSION = ("rope_scaling_factor", "original_max_position_embeddings")
+
+
+def matching_flavor(args) -> tuple[str, list[str]] | None:
+    """A named flavor that is ``args`` up to the pattern, the mixer and the MLA's YaRN extension, and the recipe
+    keys that make it ``args``; None where there is none."""
+    from hybridtitan.models import FLAVORS
+
+    for name, flavor in FLAVORS.items():
+        rope = {k: getattr(args.mla, k) for k in ROPE_EXTENSION}
+        try:
+            candidate = dataclasses.replace(flavor, n_layers=args.n_layers, pattern=args.pattern, mixer=args.mixer,
+                                            mla=dataclasses.replace(flavor.mla, **rope))
+        except ValueError:  # a flavor whose sizes do not take this pattern or mixer
+            continue
+        if candidate == args:
+            keys = [f"--model.pattern={args.pattern}"] + (
+                [f"--model.mixer {args.mixer}"] if flavor.mixer != args.mixer else []) + [
+                f"--model.mla.{k} {v}" for k, v in rope.items() if getattr(flavor.mla, k) != v]
+            return name, keys
+    return None
+
+
+def read_student(path: str, args, what: str) -> dict[str, torch.Tensor]:
+    """A trained student's state, refused unless the sublayers taken from it (attention for --attention-from,
+    mixers for --mixers-from, each with the MLP after it) are where ``args`` has them and hold the same tensors
+    (names and shapes): its other settings (the RoPE extension, the kind and sizes of what is not taken) may
+    differ."""
+    from hybridtitan.loader import read_model
+    from hybridtitan.models import build_model
+
+    saved, state, _ = read_model(path)
+    wanted = "*" if what == "--attention-from" else "M"
+    expected = {k: tuple(v.shape) for k, v in build_model(args, "meta").state_dict().items()}
+    for i, kind in enumerate(args.pattern):
+        if kind != wanted:
+            continue
+        if saved.n_layers != args.n_layers or saved.pattern[i] != wanted:
+            raise ConversionError(f"{what} {path}: its sublayer {i} is not {'attention' if wanted == '*' else 'a mixer'}"
+                                  f" (its pattern is {saved.pattern})")
+        for j in (i, i + 1):
+            mine = {k: v for k, v in expected.items() if k.startswith(f"layers.{j}.")}
+            theirs = {k: tuple(v.shape) for k, v in state.items() if k.startswith(f"layers.{j}.")}
+            if mine != theirs:
+                raise ConversionError(f"{what} {path} is not a student of this shape: its sublayer {j} holds other "
+                                      "tensors than the upcycled model's")
+    return state
+
+
+def upcycle(model: str, output: str, *, mixer: str = "mamba2", attention_layers: str = "none",
+            tokenizer: str | None = None, overwrite: bool = False, attention_from: str | None = None,
+            mixers_from: str | None = None, seed: int = 0, **ranks) -> tuple[object, list[str]]:
+    """Writes the step folder ``output`` (model-only DCP, tokenizer inside) upcycled from ``model``; returns the
+    student's ModelArgs and the report. ConversionError / CheckpointError (one line) before anything is written."""
+    from hybridtitan.hf.convert import load_tokenizer, output_problem
+    from hybridtitan.import_hf import write_step_folder
+    from hybridtitan.loader import read_model, tokenizer_path
+    from hybridtitan.models import build_model
+
+    output = os.path.normpath(output)
+    problem = output_problem(output, overwrite, "import")
+    if problem:
+        raise ConversionError(problem)
+    llama, llama_state, _ = read_model(model)
+    if llama.attention != "gqa" or llama.pattern != "*-" * (llama.n_layers // 2):
+        raise ConversionError(f"{model} is not a Llama (grouped-query attention and MLPs, '*-' per layer): its "
+                              f"pattern is {llama.pattern!r}")
+    layers = parse_layers(attention_layers, llama.n_layers // 2)
+    args = student_args(llama, layers, mixer, **ranks)
+    tok_path = tokenizer or tokenizer_path(model)
+    tok = load_tokenizer(tok_path, args.vocab_size) if tok_path else None
+    trained_attention = read_student(attention_from, args, "--attention-from") if attention_from else None
+    trained_mixers = read_student(mixers_from, args, "--mixers-from") if mixers_from else None
+    torch.manual_seed(seed)
+    student = build_model(args, "cpu")
+    student.init_weights()
+    state, report = upcycle_state(llama, llama_state, args, student.state_dict(), trained_attention, trained_mixers)
+    student.load_state_dict(state, strict=True)
+    write_step_folder(student, output, tok)
+    return args, report
+
+
+# ------------------------------------------------------------------------------------------------ selection
+
+
+@torch.no_grad()
+def kl_to_teacher(student, teacher, batches) -> float:
+    """Mean KL(teacher || student) per counted token over ``batches`` (next-token distributions)."""
+    from hybridtitan.ops import linear_kl_div
+
+    total, count = 0.0, 0
+    for b in batches:
+        h_s = student.hidden_states(b["input_ids"], cu_seqlens=b.get("cu_seqlens"))
+        h_t = teacher.hidden_states(b["input_ids"], cu_seqlens=b.get("cu_seqlens"))
+        _, kl, _, n = linear_kl_div(h_s, student.output_weight, h_t, teacher.output_weight, b["labels"])
+        total, count = total + kl.item(), count + int(n)
+    return total / max(count, 1)
+
+
+def rank_layers(teacher, student_args_, mixer_state, attention_state, batches, device="cpu",
+                log=print) -> list[tuple[int, float]]:
+    """(layer, KL with that layer as MLA) for every Llama layer, lowest first; the all-mixer student's KL first
+    logged. ``attention_state``: the state of the MLA layers to swap in (an all-MLA student's, or upcycled ones)."""
+    from hybridtitan.models import build_model
+
+    n = student_args_.n_layers // 2
+
+    def student_with(layers):
+        args = dataclasses.replace(student_args_, pattern="".join("*-" if i in layers else "M-" for i in range(n)))
+        model = build_model(args, "cpu")
+        state = dict(mixer_state)
+        for i in layers:
+            for j in (2 * i, 2 * i + 1):
+                state = {k: v for k, v in state.items() if not k.startswith(f"layers.{j}.")}
+                state.update({f"layers.{j}.{k}": v for k, v in sublayer_state(attention_state, j).items()})
+        model.load_state_dict(state, strict=True)
+        return model.to(device).eval()
+
+    base = kl_to_teacher(student_with([]), teacher, batches)
+    log(f"all-mixer student: KL to the teacher {base:.5f} per token")
+    scores = []
+    for i in range(n):
+        kl = kl_to_teacher(student_with([i]), teacher, batches)
+        log(f"layer {i} as MLA: KL {kl:.5f} ({kl - base:+.5f})")
+        scores.append((i, kl))
+    return sorted(scores, key=lambda s: s[1])
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def _rank_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("MLA sizes (default: Zebra-Llama's for the Llama's shape)")
+    for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim"):
+        g.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=None)
+    g.add_argument("--rope-scaling-factor", dest="rope_scaling_factor", type=float, default=None,
+                   help="the MLA's YaRN factor (default: the Llama's RoPE scaling factor, as Zebra-Llama)")
+    g.add_argument("--original-max-position-embeddings", dest="original_max_position_embeddings", type=int,
+                   default=None, help="YaRN's original context (default: the Llama's)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="python -m hybridtitan.upcycle", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="the Llama: a Hugging Face folder or a hybridtitan checkpoint")
+    p.add_argument("--mixer", default="mamba2", help="mamba2 (Zebra-Llama) or gdn (HyLo)")
+    p.add_argument("--attention-layers", dest="attention_layers", default="none",
+                   help="the Llama layers that keep attention as MLA: comma-separated indices, all or none")
+    p.add_argument("--output", required=True, help="the step folder to write, e.g. DUMP/checkpoint/step-0")
+    p.add_argument("--attention-from", dest="attention_from", default=None,
+                   help="take the MLA layers from this trained all-MLA student")
+    p.add_argument("--mixers-from", dest="mixers_from", default=None,
+                   help="take the mixer layers from this trained all-mixer student")
+    p.add_argument("--tokenizer", default=None, help="tokenizer to save with it (default: the model's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the fresh parameters (gates, convolutions)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier upcycled or imported step folder")
+    _rank_options(p)
+    return p
+
+
+def build_select_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="python -m hybridtitan.upcycle select",
+                      description="Rank a Llama's layers by how much keeping each as MLA lowers the KL to it.")
+    p.add_argument("--teacher", required=True, help="the Llama the student was distilled from")
+    p.add_argument("--student", required=True, help="the all-mixer student after layer distillation")
+    p.add_argument("--attention-from", dest="attention_from", default=None,
+                   help="the all-MLA student after layer distillation (default: MLA upcycled from the teacher)")
+    p.add_argument("--data", required=True, help="held-out documents: local files, or Megatron prefixes")
+    p.add_argument("--source", default=None, help="hf or megatron (default: from --data)")
+    p.add_argument("--tokenizer", default=None, help="default: the teacher's")
+    p.add_argument("--count", type=int, default=4, help="how many layers keep attention")
+    p.add_argument("--batches", type=int, default=8, help="held-out batches per measurement")
+    p.add_argument("--batch-size", dest="batch_size", type=int, default=4)
+    p.add_argument("--seq-len", dest="seq_len", type=int, default=2048)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    _rank_options(p)
+    return p
+
+
+def _ranks(args) -> dict:
+    return {k: getattr(args, k) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                          "rope_scaling_factor", "original_max_position_embeddings")
+            if getattr(args, k) is not None}
+
+
+def select_main(argv: list[str]) -> None:
+    a = build_select_parser().parse_args(argv)
+    from hybridtitan.checkpoint import CheckpointError
+    from hybridtitan.data import Data, HeldOut, build_tokenizer
+    from hybridtitan.data.config import validate_data_config
+    from hybridtitan.loader import read_model, tokenizer_path
+    from hybridtitan.models import build_model
+
+    if a.count < 1 or a.batches < 1 or a.batch_size < 1 or a.seq_len < 2:
+        fail("--count, --batches and --batch-size must be 1 or more, --seq-len 2 or more")
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        llama, llama_state, _ = read_model(a.teacher)
+        if llama.attention != "gqa":
+            raise ConversionError(f"--teacher {a.teacher} is not a Llama (grouped-query attention and MLPs)")
+        student, mixer_state, _ = read_model(a.student)
+        if "*" in student.pattern:
+            raise ConversionError(f"--student {a.student} has attention layers ({student.pattern}): give the "
+                                  "all-mixer student")
+        reference = student_args(llama, [], student.mixer, **_ranks(a))
+        if dataclasses.replace(student, pattern=reference.pattern) != reference:
+            raise ConversionError(f"--student {a.student} is not upcycled from --teacher {a.teacher} with these MLA "
+                                  "sizes")
+        if a.attention_from:
+            attention_state = read_student(a.attention_from, dataclasses.replace(
+                reference, pattern="*-" * (reference.n_layers // 2)), "--attention-from")
+        else:
+            fresh = build_model(dataclasses.replace(reference, pattern="*-" * (reference.n_layers // 2)), "cpu")
+            fresh.init_weights()
+            attention_state, _ = upcycle_state(llama, llama_state, fresh.args, fresh.state_dict())
+        tok = build_tokenizer(a.tokenizer or tokenizer_path(a.teacher))
+        data = Data(path=a.data, tokenizer=a.tokenizer or tokenizer_path(a.teacher) or "", shuffle=False,
+                    source=a.source or ("hf" if os.path.splitext(a.data)[1] in (".json", ".jsonl", ".txt", ".parquet")
+                                        or os.path.isdir(a.data) else "megatron"))
+        validate_data_config(data)
+    except (CheckpointError, ConversionError, ValueError) as e:
+        fail(str(e).splitlines()[0])
+    held_out = HeldOut(data, tok, seq_len=a.seq_len, local_batch_size=a.batch_size, dp_rank=0, dp_world_size=1,
+                       vocab_size=llama.vocab_size)
+    batches = []
+    for batch, _ in held_out.batches():
+        batches.append({k: v.to(device) for k, v in batch.items()})
+        if len(batches) == a.batches:
+            break
+    teacher = build_model(llama, "cpu")
+    teacher.load_state_dict(llama_state)
+    teacher = teacher.to(device).eval()
+    scores = rank_layers(teacher, student, mixer_state, attention_state, batches, device,
+                         log=lambda line: print(line, flush=True))
+    chosen = sorted(i for i, _ in scores[: a.count])
+    pattern = "".join("*-" if i in chosen else "M-" for i in range(student.n_layers // 2))
+    print(f"layers ranked (lowest KL with the layer as MLA first): {', '.join(str(i) for i, _ in scores)}")
+    print(f"chosen: --attention-layers {','.join(map(str, chosen))}   pattern {pattern}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["select"]:
+        return select_main(argv[1:])
+    a = build_parser().parse_args(argv)
+    from hybridtitan.checkpoint import CheckpointError
+
+    if not os.path.exists(a.model):
+        fail(f"model not found: {a.model}")
+    try:
+        args, report = upcycle(a.model, a.output, mixer=a.mixer, attention_layers=a.attention_layers,
+                               tokenizer=a.tokenizer, overwrite=a.overwrite, attention_from=a.attention_from,
+                               mixers_from=a.mixers_from, seed=a.seed, **_ranks(a))
+    except (CheckpointError, ConversionError) as e:
+        fail(str(e))
+    for line in report:
+        print(line)
+    print(f"upcycled {a.model} into {a.output}: pattern {args.pattern} ({args.mixer})")
+    match = matching_flavor(args)
+    if match:
+        print(f"train it with: --model.flavor {match[0]} {' '.join(match[1])}")
+    else:
+        print("no named flavor has these sizes: give the recipe's [model] keys as in "
+              f"{os.path.join(a.output, 'model_args.json')}")
+
+
+if __name__ == "__main__":
+    main()
