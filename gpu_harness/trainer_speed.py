@@ -9,12 +9,12 @@ metrics it logs.
 A case is FLAVOR[:key=value,...]: the recipe train_configs/FLAVOR.toml (or --recipe) with the trainer's keys
 overridden (``training.seq_len=8192``; a value may hold commas: ``compile.components=norm,swiglu``). Each run is
 the trainer itself, torchrun --standalone --nproc_per_node 1 (or plain python), on one GPU, with --data.source
-mock (no data work: the step alone; a case may name another source and its keys), --steps steps logged every
-step, no checkpoints, no TensorBoard, and one micro-batch per step (the global batch is the local one, unless the
-case sets training.global_batch_size). Everything else is the recipe's: kernels, torch.compile, activation
+mock (no data work: the step alone; a case may name another source and its keys), --steps steps logged at the
+recipe's metrics.log_freq (or --log-freq), no checkpoints, no TensorBoard, and one micro-batch per step (the
+global batch is the local one, unless the case sets training.global_batch_size). Everything else is the recipe's: kernels, torch.compile, activation
 checkpointing, precision.
 
-From DUMP/metrics.jsonl, over the steps after --warmup (compilation and autotuning come first): the median
+From DUMP/metrics.jsonl, over the log windows after --warmup (compilation and autotuning come first): the median
 tokens/s per device and step time, the peak memory (allocated and reserved), the MFU the trainer logs (against
 the datasheet's peak), TFLOP/s per GPU (``python -m hybridtitan.describe --json``'s FLOPs per token for the same
 overrides x tokens/s), MFU against a bf16 matmul rate measured at the start of this run (--matmul-size^3,
@@ -52,7 +52,8 @@ if HERE not in sys.path:
 from common import format_table, write_json  # noqa: E402
 
 # --device cpu: the debug flavor of the same kind stands in for each model
-TINY_FLAVOR = {"gdn_300M": "debug_gdn", "gdn_1B": "debug_gdn", "kda_300M": "debug_kda", "kda_1B": "debug_kda",
+TINY_FLAVOR = {"llama_1B": "debug_llama", "llama_8B": "debug_llama", "zebra_llama_1B_upcycled": "debug_llama_upcycled",
+               "hylo_1B_upcycled": "debug_llama_upcycled", "gdn_300M": "debug_gdn", "gdn_1B": "debug_gdn", "kda_300M": "debug_kda", "kda_1B": "debug_kda",
                "zebra_gdn_300M": "debug_hybrid", "zebra_kda_1B": "debug_kda", "zebra_mamba2_300M": "debug_mamba2",
                "zebra_llama_1B": "debug_mamba2", "zebra_llama_3B": "debug_mamba2", "zebra_llama_8B": "debug_mamba2"}
 CPU_SETTINGS = {"training.seq_len": "128", "compile.enable": "false"}
@@ -90,6 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("cases", nargs="*", help="FLAVOR[:key=value,...]")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the medians (default 10)")
+    p.add_argument("--log-freq", dest="log_freq", type=int, default=None,
+                   help="metrics.log_freq of the runs (default: the recipe's; a log step waits for the GPU, so "
+                        "logging every step measures less than a user gets)")
     p.add_argument("--recipe", default=None, help="the recipe of every case (default: TREE/train_configs/FLAVOR.toml)")
     p.add_argument("--tree", action="append", default=[], metavar="PATH",
                    help="another checkout whose trainer runs the same cases (repeatable)")
@@ -216,7 +220,9 @@ def trainer_settings(args, case: Case, batch: int, dump: str, recipe: str) -> di
         settings.update(CPU_SETTINGS)
     settings["training.local_batch_size"] = str(batch)
     settings.setdefault("training.global_batch_size", str(batch))
-    settings.update({"training.steps": str(args.steps), "metrics.log_freq": "1", "checkpoint.enable": "false",
+    if args.log_freq is not None:
+        settings["metrics.log_freq"] = str(args.log_freq)
+    settings.update({"training.steps": str(args.steps), "checkpoint.enable": "false",
                      "metrics.enable_tensorboard": "false", "job.dump_folder": dump})
     return settings
 
@@ -318,11 +324,15 @@ def _max(records: list[dict], key: str) -> float | None:
 
 def measures(records: list[dict], warmup: int, described: dict, matmul_flops: float | None) -> dict:
     """What a finished run measured, over the steps after the warm-up."""
-    steady = [r for r in records if r["step"] > warmup]
+    # a record is the mean of the steps since the previous one (its log window): those windows wholly past the
+    # warm-up count
+    windows = [(r, r["step"] - previous["step"]) for previous, r in zip(records, records[1:])
+               if previous["step"] >= warmup]
+    steady = [r for r, _ in windows]
     if not steady:
-        raise ValueError(f"no step after the warm-up of {warmup} was logged ({len(records)} records)")
+        raise ValueError(f"no log window after the warm-up of {warmup} steps ({len(records)} records)")
     tps = _median(steady, "tokens_per_sec_per_device")
-    out = {"steps_measured": len(steady), "tokens_per_s": tps, "step_s": _median(steady, "step_time_s"),
+    out = {"steps_measured": sum(n for _, n in windows), "tokens_per_s": tps, "step_s": _median(steady, "step_time_s"),
            "first_step_s": records[0]["step_time_s"], "loss_last": records[-1]["loss"],
            "memory_gib": _max(records, "memory_gib"), "memory_reserved_gib": _max(records, "memory_reserved_gib"),
            "mfu_logged": _median(steady, "mfu")}

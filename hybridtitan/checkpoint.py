@@ -157,12 +157,12 @@ def load_model(path: str, device: str | torch.device = "cpu", dtype: torch.dtype
     return model.to(dtype), step_dir
 
 
-def save_model_checkpoint(model: HybridLM, step_dir: str) -> None:
+def save_model_checkpoint(model: HybridLM, step_dir: str, dtype: torch.dtype = torch.float32) -> None:
     """A model-only checkpoint (one process) that training can start from with checkpoint.initial_load_path
-    and that export and evaluation read like any other."""
+    and that export and evaluation read like any other (in float32; a teacher's may be 16-bit)."""
     partial = step_dir.rstrip("/") + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
-    state = {k: v.detach().float().contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
     dcp.save({"model": state}, checkpoint_id=partial, no_dist=True)
     with open(os.path.join(partial, MODEL_ARGS_FILE), "w") as f:
         json.dump(model_args_to_dict(model.args), f, indent=2)

@@ -209,10 +209,15 @@ class Distill:
     ILD); the teacher and student must have the same sublayer structure"""
 
     temperature: float = 1.0
-    """Softmax temperature T of the KL (FLA's fused kernel on GPUs takes only 1)"""
+    """Softmax temperature T of the KL"""
 
-    chunk_size: int = 1024
-    """Tokens per chunk of the KL (its extra memory is about five float32 chunks of both models' logits)"""
+    chunk_size: int = 4096
+    """Tokens per chunk of the KL: both models' 16-bit logits of a chunk are its extra memory on GPUs (about five
+    float32 chunks more where it runs eagerly: CPUs, a temperature with the cross-entropy)"""
+
+    kernel: Literal["hybridtitan", "fla"] = "hybridtitan"
+    """GPU: the KL's kernel: hybridtitan's (the chunks above, each one's softmax in a Triton kernel) or FLA's fused
+    KL (temperature 1 only; its own chunks; its output-weight gradient accumulates in float32 GEMMs)"""
 
 
 @dataclass

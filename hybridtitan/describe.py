@@ -61,12 +61,11 @@ def activation_elements_per_token(args, kind: str) -> int:
 
 def teacher_estimate(cfg, args, tokens: int, param_bytes: int) -> dict:
     """What a distillation teacher ([distill]) adds to a device's memory, and the step's FLOPs with it: its 16-bit
-    parameters sharded (the root's embedding, final norm and output layer gathered and kept, as FSDP leaves a root
-    after a forward without backward), the copy of its output weight and its final hidden states the KL reads,
-    one MLP's activations of its forward at a time, its residual stream at every sublayer for layer distillation,
-    and the KL's chunks in place of the cross-entropy's: on GPUs at temperature 1 FLA's (both models' 16-bit
-    logits of a chunk of the tokens split in up to 8, and the float32 gradient of the output weight), else five
-    float32 chunks and two 16-bit ones of distill.chunk_size tokens. {} without a teacher."""
+    parameters sharded (each module frees what it gathered after its forward), the copy of its output weight and
+    its final hidden states the KL reads, one MLP's activations of its forward at a time, its residual stream at
+    every sublayer for layer distillation, and the KL's chunks in place of the cross-entropy's: both models'
+    16-bit logits of distill.chunk_size tokens on GPUs (FLA's kernel: of up to an eighth of the tokens, and the
+    float32 gradient of the output weight), five float32 chunks more where it runs eagerly. {} without a teacher."""
     d = cfg.distill
     if not d.teacher:
         return {}
@@ -79,21 +78,20 @@ def teacher_estimate(cfg, args, tokens: int, param_bytes: int) -> dict:
         return {"assumes": f"; the teacher {d.teacher} is left out (it cannot be read here: {e})"}
     shard = max(cfg.parallelism.data_parallel_shard_degree, 1)
     counts = param_counts(t)
-    root = counts["embedding"] + counts["output_layer"] + t.dim
-    total = (counts["total"] - root) * param_bytes / shard + root * param_bytes
-    total += t.vocab_size * t.dim * param_bytes + tokens * t.dim * param_bytes
-    total += tokens * 2 * t.ffn_dim * param_bytes
+    total = counts["total"] * param_bytes / shard + (counts["embedding"] + counts["output_layer"]) * param_bytes
+    total += t.vocab_size * t.dim * param_bytes + tokens * t.dim * param_bytes + tokens * 2 * t.ffn_dim * param_bytes
     if d.layer_weight:
         total += (t.n_layers + 1) * tokens * t.dim * param_bytes
     loss_bytes = None
     if d.kl_weight or d.ce_weight:
-        if param_bytes == 2 and d.temperature == 1:
+        if param_bytes == 2 and d.kernel == "fla" and d.temperature == 1:
             groups = min(8, -(-t.vocab_size // args.dim))
-            rows = 1 << (-(-tokens // groups) - 1).bit_length()
-            loss_bytes = 2 * min(rows, tokens) * t.vocab_size * param_bytes + args.vocab_size * args.dim * 4
+            rows = min(1 << (-(-tokens // groups) - 1).bit_length(), tokens)
+            loss_bytes = 2 * rows * t.vocab_size * param_bytes + args.vocab_size * args.dim * 4
         else:
             chunk = min(tokens, d.chunk_size)
-            loss_bytes = chunk * t.vocab_size * (5 * 4 + 2 * param_bytes)
+            eager = param_bytes != 2 or (d.ce_weight and d.temperature != 1)
+            loss_bytes = chunk * t.vocab_size * (2 * param_bytes + (5 * 4 if eager else 0))
     return {"bytes": total, "loss_bytes": loss_bytes,
             "flops_per_token": training_flops_per_token(args, cfg.training.seq_len, d, Teacher(d.teacher, t)),
             "assumes": f"; the teacher {t.pattern} ({counts['total']:,} parameters, {8 * param_bytes}-bit) sharded "

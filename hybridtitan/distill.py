@@ -48,6 +48,7 @@ class Teacher:
 
     path: str
     args: ModelArgs
+    warning: str | None = None  # what the run's log should say of it
 
 
 def vocabulary_fingerprint(tokenizer) -> str:
@@ -77,9 +78,9 @@ def check_teacher(cfg, student: ModelArgs, tokenizer) -> Teacher | None:
     if args.vocab_size != student.vocab_size:
         raise ConfigError(f"distill.teacher {d.teacher} has a vocabulary of {args.vocab_size}, the student "
                           f"{student.vocab_size}: distillation compares their distributions token by token")
+    warning = None
     if teacher_tok is None:
-        logger.warning(f"distill.teacher {d.teacher} names no tokenizer: that it encodes as data.tokenizer cannot "
-                       "be checked")
+        warning = f"distill.teacher {d.teacher} names no tokenizer: that it encodes as data.tokenizer cannot be checked"
     elif tokenizer is not None and vocabulary_fingerprint(teacher_tok) != vocabulary_fingerprint(tokenizer):
         raise ConfigError(f"distill.teacher {d.teacher}: its tokenizer ({teacher_tokenizer}) differs from "
                           f"data.tokenizer ({cfg.data.tokenizer}): the same ids would mean other tokens")
@@ -92,7 +93,7 @@ def check_teacher(cfg, student: ModelArgs, tokenizer) -> Teacher | None:
         if student.kinds[0] == "mlp":
             raise ConfigError(f"distill.layer_weight: the pattern {student.pattern} starts with an MLP; layer "
                               "distillation's blocks start with attention or a mixer")
-    return Teacher(d.teacher, args)
+    return Teacher(d.teacher, args, warning)
 
 
 def training_flops_per_token(args, seq_len: int, d, teacher) -> float:
@@ -129,8 +130,9 @@ class Distiller:
         self.d, self.kernels = d, kernels
         args, state, source = read_model(teacher.path)
         model = build_model(args, "meta", kernels).to(param_dtype)
+        # every module frees its gathered parameters after its forward (the root too: no backward needs them)
         parallelize(model, mesh, ac_mode="none", ac_every=1, compile_model=False, param_dtype=param_dtype,
-                    reduce_dtype=param_dtype, reshard_after_forward="default")
+                    reduce_dtype=param_dtype, reshard_after_forward="always")
         model.to_empty(device=device)
         set_model_state_dict(model, {k: v.to(param_dtype) for k, v in state.items()},
                              options=StateDictOptions(full_state_dict=True, strict=True))

@@ -83,7 +83,7 @@ def preflight(cfg) -> Plan:
     args = model_args(cfg)
     tokenizer = None
     needs_tokenizer = cfg.data.source != "mock" or cfg.eval.tasks or (
-        cfg.validation.enable and cfg.validation.data.source != "mock") or cfg.distill.teacher
+        cfg.validation.enable and cfg.validation.data.source != "mock")
     if needs_tokenizer:
         try:
             tokenizer = build_tokenizer(cfg.data.tokenizer)
@@ -108,7 +108,7 @@ def preflight(cfg) -> Plan:
         check_eval_tasks(cfg)
     teacher = check_teacher(cfg, args, tokenizer)
     start = choose_start(cfg)
-    warnings = []
+    warnings = [teacher.warning] if teacher is not None and teacher.warning else []
     unread = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
     if not cfg.checkpoint.enable and complete_steps(unread):
         warnings.append(f"checkpoint.enable is false: the checkpoints in {unread} (steps "

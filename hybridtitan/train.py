@@ -88,7 +88,7 @@ def kernel_config(cfg, device: torch.device) -> ops.KernelConfig:
     return ops.KernelConfig(
         fused_residual=device.type == "cuda",  # the same sums; on CPUs there is no kernel to save
         compiled_norms=compiles(cfg, "norm"), compiled_swiglu=compiles(cfg, "swiglu"),
-        compiled_loss=compiles(cfg, "loss"), cuda_graphs=cfg.training.cuda_graphs,
+        compiled_loss=compiles(cfg, "loss"), cuda_graphs=cfg.training.cuda_graphs, fla_kl=cfg.distill.kernel == "fla",
         gdn_backend=cfg.training.gdn_backend)
 
 

@@ -203,3 +203,36 @@ def test_a_teacher_that_does_not_fit_is_one_line(teacher, tmp_path, capsys):
     refused(["--distill.teacher", str(teacher), "--distill.kl_weight", "0"], "are all 0: nothing would be learned")
     refused(["--distill.teacher", str(teacher), "--distill.temperature", "0"], "distill.temperature must be positive")
     assert not os.path.exists(dump)
+
+
+KL_KERNEL_SCRIPT = r"""
+import torch
+from hybridtitan.ops import distill, distill_triton
+
+torch.manual_seed(0)
+for rows, vocab, block, temperature, ce_weight in [(7, 1000, 256, 1.0, 0.0), (9, 1024, 256, 2.0, 0.0),
+                                                   (5, 300, 512, 1.0, 0.7), (3, 64, 64, 0.5, 0.0)]:
+    s = (torch.randn(rows, vocab) * 3).to(torch.bfloat16)
+    t = (torch.randn(rows, vocab) * 3).to(torch.bfloat16)
+    target = torch.randint(0, vocab, (rows, 1))
+    valid = torch.rand(rows) > 0.3
+    valid[0], valid[-1] = True, False
+    ref_kl, ref_ce, ref_grad = distill.kl_chunk(s.clone(), t, target, valid, temperature, 1.5 * temperature ** 2,
+                                                ce_weight)
+    buffer = s.clone()
+    kl, ce, grad = distill_triton.kl_chunk(buffer, t, target, valid, temperature, 1.5 * temperature ** 2, ce_weight,
+                                           block=block, num_warps=4)
+    assert grad.data_ptr() == buffer.data_ptr() and grad.dtype == torch.bfloat16
+    assert abs(kl.item() - ref_kl.item()) <= 1e-4 * abs(ref_kl.item()) + 1e-5, (kl, ref_kl)
+    assert abs(ce.item() - ref_ce.item()) <= 1e-4 * abs(ref_ce.item()) + 1e-5, (ce, ref_ce)
+    assert (grad.float() - ref_grad.float()).abs().max().item() <= 2 ** -7
+    assert (grad[~valid] == 0).all()
+print("OK")
+"""
+
+
+def test_kl_kernel_in_triton_interpreter(run_in_triton_interpreter):
+    """The GPUs' KL chunk kernel (ops.distill_triton), run by Triton's interpreter on the CPU, against the eager
+    chunk: KL, cross-entropy at temperature 1, the gradient written over the student's logits, ignored rows, a
+    vocabulary that is no multiple of the block, temperatures above and below 1."""
+    run_in_triton_interpreter(KL_KERNEL_SCRIPT)

@@ -60,6 +60,10 @@ class KernelConfig:
     cuda_graphs: bool = False
     """The recurrent mixers' FLA calls of whole sequences replayed from CUDA graphs (hybridtitan.ops.cuda_graphs)"""
 
+    fla_kl: bool = False
+    """The distillation KL through FLA's fused kernel (temperature 1) instead of our chunked one with its Triton
+    kernel"""
+
     gdn_backend: str = "triton"
     """FLA's backend for the gated delta rule: "triton" (its Triton kernels) or "flash_qla" (FlashQLA where
     installed and the call suits it)"""
@@ -276,9 +280,11 @@ class Kernels:
                       kl_weight: float = 1.0, ce_weight: float = 0.0, ignore_index: int = -100, chunk_size: int = 1024):
         """(loss, summed KL_T, summed cross-entropy, counted tokens) of a student's hidden states and output weight
         against a teacher's, a chunk of tokens at a time (``distill``): loss = kl_weight * T^2 * KL_T +
-        ce_weight * CE. On GPUs at temperature 1 the KL is FLA's fused kernel (and the cross-entropy, where
-        weighted, ours); elsewhere each chunk's elementwise part eager, or compiled where the config asks."""
-        if (self.backend_for(hidden) == "fla" and temperature == 1 and torch.is_grad_enabled()
+        ce_weight * CE. Each chunk's elementwise part in our Triton kernel on GPUs (``distill_triton``), compiled
+        or eager elsewhere; with ``fla_kl``, on GPUs at temperature 1, FLA's fused KL instead (and the
+        cross-entropy, where weighted, ours)."""
+        on_gpu = self.backend_for(hidden) == "fla"
+        if (on_gpu and self.config.fla_kl and temperature == 1 and torch.is_grad_enabled()
                 and (hidden.requires_grad or weight.requires_grad)):
             h, th, t = hidden.reshape(-1, hidden.shape[-1]), t_hidden.reshape(-1, t_hidden.shape[-1]), targets.reshape(-1)
             valid = t != ignore_index
@@ -288,8 +294,14 @@ class Kernels:
                 ce, _ = self.linear_cross_entropy(h, weight, t, ignore_index=ignore_index, chunk_size=chunk_size)
                 loss = loss + ce_weight * ce
             return loss, kl.detach(), ce.detach(), valid.sum()
-        chunk_fn = distill.compiled_kl_chunk() if self.config.compiled_loss and not self.config.reference else \
-            distill.kl_chunk
+        if self.config.compiled_loss and not self.config.reference:
+            chunk_fn = distill.compiled_kl_chunk()
+        elif on_gpu and self.config.triton_loss:
+            from . import distill_triton
+
+            chunk_fn = distill_triton.kl_chunk if distill_triton.applies(temperature, ce_weight) else distill.kl_chunk
+        else:
+            chunk_fn = distill.kl_chunk
         return distill.linear_kl_div(hidden, weight, t_hidden, t_weight, targets, temperature=temperature,
                                      kl_weight=kl_weight, ce_weight=ce_weight, ignore_index=ignore_index,
                                      chunk_size=chunk_size, chunk_fn=chunk_fn)
