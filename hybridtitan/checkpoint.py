@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from hybridtitan.errors import first_error_line
 from hybridtitan.models import HybridLM, ModelArgs, build_model
+from hybridtitan.models.args import model_args_from_dict, model_args_to_dict
 
 logger = logging.getLogger("hybridtitan")
 
@@ -53,20 +54,6 @@ class CheckpointError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------------ reading
-
-
-def model_args_to_dict(args: ModelArgs) -> dict:
-    return dataclasses.asdict(args)
-
-
-def model_args_from_dict(d: dict) -> ModelArgs:
-    from hybridtitan.models import GDNArgs, GQAArgs, KDAArgs, Mamba2Args, MLAArgs
-
-    d = dict(d)
-    for key, cls in (("gdn", GDNArgs), ("kda", KDAArgs), ("mamba2", Mamba2Args), ("mla", MLAArgs), ("gqa", GQAArgs)):
-        if key in d:  # (a checkpoint older than a kind of sublayer holds none of its sizes: the defaults)
-            d[key] = cls(**d[key])
-    return ModelArgs(**d)
 
 
 def complete_steps(folder: str) -> list[int]:

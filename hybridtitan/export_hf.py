@@ -6,9 +6,10 @@ Reads the model tensors straight from the DCP folder (a step folder, a checkpoin
 latest complete step, or --step N). A Llama (grouped-query attention and MLPs alone) is written as transformers'
 LlamaForCausalLM; pure GDN and KDA models in FLA's own layouts (GatedDeltaNetForCausalLM, KDAForCausalLM:
 ``import fla`` and ``AutoModelForCausalLM.from_pretrained`` load them without hybridtitan); every other model (MLA
-hybrids, Mamba2) in hybridtitan's own layout (``model_type: hybridtitan``). That folder carries its own configuration and modeling code (hybridtitan/hf/remote_code/, named by
-``auto_map``): it loads with ``trust_remote_code=True`` where only torch and transformers are installed (FLA's
-kernels on GPUs when it imports); where hybridtitan is imported, its registered classes load it instead.
+hybrids, Mamba2) in hybridtitan's own layout (``model_type: hybridtitan``). That folder carries the package's own
+model code, its modules written flat beside config.json (hybridtitan.hf.remote) and named by ``auto_map``: it loads
+with ``trust_remote_code=True`` where only torch and transformers are installed (FLA's kernels on GPUs where it
+imports) and runs exactly what hybridtitan runs; where hybridtitan is imported, its registered classes load it.
 ``--format hybridtitan`` writes a GDN/KDA model in our layout too.
 
 The folder is written next to the output under a temporary name and renamed into place once complete, so an

@@ -348,3 +348,41 @@ def test_stock_lm_eval_hf_model_same_numbers(trained, tmp_path, capsys):
         for s in ours[flavor]["samples"]["stdlib_mc"]:
             for (a,), (b,) in zip(s["resps"], theirs[s["doc_id"]]["resps"], strict=True):
                 assert a[0] == pytest.approx(float(b[0]), abs=1e-4) and str(a[1]) == str(b[1])  # (stock: text)
+
+
+def test_generation_batched_equals_one_by_one(trained, tmp_path, capsys):
+    """generate_until on prompts of other lengths (stdlib_gen): stock `lm_eval --model hf` on the debug_hybrid
+    export (its own code; transformers pads the batch on the left) gives the same text with --batch_size 8 as with
+    1, and so does hybridtitan.eval on the DCP checkpoint, whose text is the export's."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    from hybridtitan.export_hf import export
+
+    if importlib.util.find_spec("accelerate") is None:
+        pytest.skip("accelerate is not installed: lm-eval's hf model needs it (pip install 'lm_eval[hf]')")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
+    export(str(trained["debug_hybrid"]), str(tmp_path / "export"), dtype="float32")
+    procs = {batch: subprocess.Popen(
+        [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+         f"pretrained={tmp_path / 'export'},trust_remote_code=True,dtype=float32", "--tasks", "stdlib_gen",
+         "--include_path", str(TASKS), "--device", "cpu", "--batch_size", str(batch), "--output_path",
+         str(tmp_path / f"stock-{batch}"), "--log_samples"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for batch in (8, 1)}
+    ours = {}
+    for batch in (8, 1):
+        path = tmp_path / f"ours-{batch}.json"
+        _run_eval(capsys, ["--checkpoint", str(trained["debug_hybrid"]), "--tasks", "stdlib_gen", "--include_path",
+                           str(TASKS), "--device", "cpu", "--batch_size", str(batch), "--bootstrap_iters", "0",
+                           "--output_path", str(path), "--log_samples"])
+        ours[batch] = {s["doc_id"]: s["resps"] for s in json.loads(path.read_text())["samples"]["stdlib_gen"]}
+    stock = {}
+    for batch, proc in procs.items():
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, (out + err)[-4000:]
+        (samples,) = (tmp_path / f"stock-{batch}").glob("*/samples_stdlib_gen_*.jsonl")
+        stock[batch] = {s["doc_id"]: s["resps"] for s in map(json.loads, samples.read_text().splitlines())}
+    assert len(stock[8]) == 40 and stock[8] == stock[1]
+    assert ours[8] == ours[1] == stock[1]
+    assert len({str(r) for r in stock[1].values()}) > 1  # the prompts are continued differently

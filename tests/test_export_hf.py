@@ -188,7 +188,8 @@ with torch.no_grad():
 def test_trust_remote_code_folder_saved_again_still_loads(trained, exports, tmp_path):
     """A model loaded with trust_remote_code and saved with save_pretrained (fine-tuning with HF tools) keeps a
     folder that loads the same way in a fresh process, with the same logits; no module of ours copied into it."""
-    from hybridtitan.hf.configuration import AUTO_MAP, REMOTE_CODE
+    from hybridtitan.hf.configuration import AUTO_MAP
+    from hybridtitan.hf.remote import FILES
 
     again = tmp_path / "again"
     for src, dst, logits in ((exports["debug_hybrid", "hybridtitan"], again, tmp_path / "a.pt"),
@@ -197,7 +198,7 @@ def test_trust_remote_code_folder_saved_again_still_loads(trained, exports, tmp_
                               env=cli_env(), capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((again / "config.json").read_text())["auto_map"] == AUTO_MAP
-    assert sorted(p.name for p in again.glob("*.py")) == sorted(REMOTE_CODE)
+    assert sorted(p.name for p in again.glob("*.py")) == sorted(FILES)
     ref = ours(trained["debug_hybrid"])
     x = torch.randint(5, 8000, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -224,8 +225,9 @@ def test_cache_is_a_transformers_cache(exports):
         step = hf(torch.full((2, 1), 42), cache=cache, use_cache=True).logits
         full = hf(torch.cat([x[[1, 0]], torch.full((2, 1), 42)], dim=1), use_cache=False).logits[:, -1:]
     torch.testing.assert_close(step, full, atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="padded"):
-        hf.generate(x, attention_mask=torch.tensor([[0] * 2 + [1] * 5, [1] * 7]), max_new_tokens=2)
+    # a left-padded batch decodes each row as its prompt alone (its pads set aside)
+    padded = hf.generate(x, attention_mask=torch.tensor([[0] * 2 + [1] * 5, [1] * 7]), max_new_tokens=2)
+    assert torch.equal(padded[0, -2:], hf.generate(x[:1, 2:], max_new_tokens=2)[0, -2:])
     # a right-padded batch in a plain eval forward (scoring) is right, without a cache; a cache asked for is refused
     mask = torch.tensor([[1] * 4 + [0] * 3, [1] * 7])
     with torch.no_grad():

@@ -1,15 +1,17 @@
-"""Exports in hybridtitan's own layout load without hybridtitan: the folder's own code (hybridtitan/hf/remote_code,
-copied by the export and named by auto_map) must compute what hybridtitan computes.
+"""Exports in hybridtitan's own layout load without hybridtitan: the folder carries the package's own modules,
+written flat (hybridtitan.hf.remote) and named by auto_map, so the code an export runs is the code the package
+runs.
 
 Two levels:
 
-* in this process, the two files imported from an export folder by path (no trust_remote_code machinery), for
-  every debug flavor (GDN and KDA with --format hybridtitan): logits, cached decoding and greedy tokens against
-  HybridLM on the same weights, and what transformers' tools use (hidden states, loss, padding, the cache,
+* in this process, the folder's files imported by path as a package of their own (no trust_remote_code
+  machinery), for every debug flavor (GDN and KDA with --format hybridtitan): logits, cached decoding, greedy
+  tokens, left-padded batches against HybridLM on the same weights, and what transformers' tools use (the cache,
   resizing and saving, activation checkpointing, a fresh init, bf16);
 * in a fresh virtual environment that holds torch, transformers and safetensors only (made once per session; no
   hybridtitan, no FLA), AutoModelForCausalLM / AutoTokenizer with trust_remote_code=True, for debug_hybrid and
-  debug_mamba2: logits and greedy generate() tokens against HybridLM here. The processes exchange files.
+  debug_mamba2: logits, greedy generate() tokens and a left-padded batch against HybridLM here. The processes
+  exchange files.
 
 The environment takes about a minute to make on a 2-core machine (pip, from the local wheel and package
 mirrors); HYBRIDTITAN_STANDALONE_PYTHON=/path/to/python reuses one made before (it must lack hybridtitan and FLA:
@@ -32,9 +34,10 @@ import torch
 from test_export_hf import FLAVORS, train_debug_checkpoints  # the session's trained dumps, shared
 
 REPO = Path(__file__).resolve().parents[1]
-REMOTE_CODE_DIR = REPO / "hybridtitan" / "hf" / "remote_code"
-# the stdlib modules the two files may import besides torch, transformers (and fla, optionally)
-STDLIB = {"__future__", "dataclasses", "functools", "inspect", "math", "os", "shutil"}
+# what the entry points may import at their top level besides torch and transformers (transformers imports each
+# one before it runs the folder's code: a missing package there fails the load)
+STDLIB = {"__future__", "collections", "contextlib", "dataclasses", "functools", "importlib", "logging", "math",
+          "os", "shutil"}
 
 
 @pytest.fixture(scope="session")
@@ -69,8 +72,8 @@ _loaded: dict[str, types.ModuleType] = {}
 
 
 def remote_module(folder: Path) -> types.ModuleType:
-    """The folder's modeling_hybridtitan, imported by path as a package of its own (its relative import of the
-    configuration file resolves inside the folder)."""
+    """The folder's modeling_hybridtitan, imported by path as a package of its own (its relative imports resolve
+    inside the folder)."""
     name = f"standalone_{len(_loaded)}"
     if str(folder) not in _loaded:
         package = types.ModuleType(name)
@@ -104,31 +107,57 @@ def reference_greedy(ref, prompt: torch.Tensor, new: int) -> torch.Tensor:
     return seq
 
 
+def left_padded(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    return ids, mask
+
+
 # ------------------------------------------------------------------------------------------ the code itself
 
 
-def test_code_files_are_standalone(exports):
-    """The export carries the repository's two files unchanged; they import torch, transformers and the stdlib,
-    FLA only inside a try, and never hybridtitan. auto_map names them; the package ships them."""
-    from hybridtitan.hf.configuration import AUTO_MAP, REMOTE_CODE
+def _without_imports(tree: ast.AST) -> str:
+    class Drop(ast.NodeTransformer):
+        def visit_Import(self, node):
+            return None
+
+        visit_ImportFrom = visit_Import
+
+    return ast.dump(Drop().visit(tree))
+
+
+def test_the_export_carries_the_packages_code(exports):
+    """Every file of the folder's code is a module of the package, its imports of hybridtitan made relative to the
+    folder's other files and nothing else changed; auto_map names the entry points, whose top-level imports are
+    torch, transformers, the standard library and the folder's files. No file imports hybridtitan by name."""
+    from hybridtitan.hf.configuration import AUTO_MAP
+    from hybridtitan.hf.remote import FILES, FLAT, MODULES, flat_source, module_name
 
     for folder in exports.values():
         config = json.loads((folder / "config.json").read_text())
         assert config["model_type"] == "hybridtitan" and config["auto_map"] == AUTO_MAP and config["model_args"]
-        for name in REMOTE_CODE:
-            assert (folder / name).read_bytes() == (REMOTE_CODE_DIR / name).read_bytes()
-    for name in REMOTE_CODE:
-        tree = ast.parse((REMOTE_CODE_DIR / name).read_text())
-        guarded = {id(n) for t in ast.walk(tree) if isinstance(t, ast.Try) for b in t.body for n in ast.walk(b)}
+        assert sorted(p.name for p in folder.glob("*.py")) == sorted(FILES)
+        for path in MODULES:
+            assert (folder / f"{FLAT[module_name(path)]}.py").read_text().startswith(flat_source(path)), path
+    for path in MODULES:  # the rewriting changes imports only
+        original, flat = ast.parse((REPO / "hybridtitan" / path).read_text()), ast.parse(flat_source(path))
+        assert _without_imports(original) == _without_imports(flat), path
+    folder = next(iter(exports.values()))
+    for name in FILES:
+        tree = ast.parse((folder / name).read_text())
         for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                assert node.module.split(".")[0] != "hybridtitan", f"{name}:{node.lineno}"
             if isinstance(node, ast.Import):
-                roots = {a.name.split(".")[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom):
-                roots = {"." if node.level else node.module.split(".")[0]}
-            else:
-                continue
-            allowed = {"torch", "transformers", "."} | STDLIB | ({"fla"} if id(node) in guarded else set())
-            assert roots <= allowed, f"{name}:{node.lineno} imports {roots - allowed}"
+                assert all(a.name.split(".")[0] != "hybridtitan" for a in node.names), f"{name}:{node.lineno}"
+        if name in AUTO_MAP.values() or name.removesuffix(".py") in {v.split(".")[0] for v in AUTO_MAP.values()}:
+            top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+            roots = {"." if getattr(n, "level", 0) else (n.module if isinstance(n, ast.ImportFrom) else
+                                                         n.names[0].name).split(".")[0] for n in top}
+            assert roots <= {"torch", "transformers", "."} | STDLIB, (name, roots)
 
 
 # ------------------------------------------------------------------------------------------ in this process
@@ -146,7 +175,7 @@ def test_logits_decode_and_greedy_match_hybridlm(flavor, trained, exports):
         # prefill 90 tokens with a cache, then one token per call
         out = hf(x[:, :90], use_cache=True)
         cache = cache_of(out)
-        assert isinstance(cache, mod.HybridTitanCache) and cache.get_seq_length() == 90
+        assert isinstance(cache, mod.HybridCache) and cache.get_seq_length() == 90
         steps = [out.logits] + [hf(x[:, t:t + 1], past_key_values=cache).logits for t in range(90, 100)]
         torch.testing.assert_close(torch.cat(steps, dim=1), expected, atol=1e-5, rtol=0)
         assert cache.get_seq_length() == 100
@@ -172,6 +201,24 @@ def test_generate_batched_and_without_cache(trained, exports):
     beams = dict(max_new_tokens=4, num_beams=3, do_sample=False)
     assert torch.equal(hf.generate(prompts[:1], use_cache=True, **beams),
                        hf.generate(prompts[:1], use_cache=False, **beams))
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_left_padded_batches_decode_as_each_prompt_alone(flavor, trained, exports):
+    """A batch of prompts of other lengths, left-padded as generate() expects: the greedy tokens of each row are
+    those of its prompt alone (no pad enters a recurrent state, a convolution window or attention), with the cache
+    and, beam search, reordering it."""
+    hf, _ = load(exports[flavor])
+    ref = ours(trained[flavor])
+    prompts = [tokens((1, n), seed=n)[0] for n in (3, 11, 6)]
+    ids, mask = left_padded(prompts)
+    out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    for row, prompt in zip(out, prompts):
+        assert torch.equal(row[-6:], reference_greedy(ref, prompt[None], 6)[0, -6:])
+    beams = dict(max_new_tokens=3, num_beams=2, do_sample=False, pad_token_id=0)
+    both = hf.generate(input_ids=ids[:2], attention_mask=mask[:2], **beams)
+    for row, prompt in zip(both, prompts[:2]):
+        assert torch.equal(row[-3:], hf.generate(input_ids=prompt[None], **beams)[0, -3:])
 
 
 def test_hidden_states_loss_and_outputs_match_hybridtitan_classes(exports):
@@ -224,19 +271,19 @@ def test_padding_and_cache_api(exports):
         out = hf(x, attention_mask=mask)  # right padding, scoring: right without a cache
         assert cache_of(out) is None
         torch.testing.assert_close(out.logits[:1, :4], hf(x[:1, :4]).logits, atol=1e-5, rtol=0)
-        with pytest.raises(ValueError, match="right padding only"):
-            hf(x, attention_mask=mask.flip(1))
-        with pytest.raises(ValueError, match="padded"):
+        # left padding: each row's real tokens as if alone, the pads' logits zero
+        left = hf(x, attention_mask=mask.flip(1)).logits
+        torch.testing.assert_close(left[:1, 3:], hf(x[:1, 3:]).logits, atol=1e-5, rtol=0)
+        assert not left[0, :3].any()
+        with pytest.raises(ValueError, match="right-padded"):
             hf(x, attention_mask=mask, use_cache=True)
-    with pytest.raises(ValueError, match="padded"):
-        hf.generate(x, attention_mask=mask.flip(1), max_new_tokens=2)
 
     with torch.no_grad():
         cache = cache_of(hf(x, use_cache=True))
-        assert isinstance(cache, mod.HybridTitanCache) and cache.batch_size == 2 and len(cache) == 8
-        latents = [s for s in cache.states if "c_kv" in s]
+        assert isinstance(cache, mod.HybridCache) and cache.batch_size == 2 and len(cache) == 8
+        latents = [s for s in cache.inner.layers if "c_kv" in s]
         assert latents and latents[0]["c_kv"].shape[:2] == (2, 7)  # MLA caches its latent, not K and V
-        assert any(s.get("recurrent") is not None and s["recurrent"].dtype == torch.float32 for s in cache.states)
+        assert any(s.get("recurrent") is not None and s["recurrent"].dtype == torch.float32 for s in cache.inner.layers)
         cache.reorder_cache(torch.tensor([1, 0]))
         step = hf(torch.full((2, 1), 42), past_key_values=cache).logits
         full = hf(torch.cat([x[[1, 0]], torch.full((2, 1), 42)], dim=1)).logits[:, -1:]
@@ -253,7 +300,8 @@ def test_padding_and_cache_api(exports):
 def test_resize_save_and_load_again(exports, tmp_path):
     """A model saved again (fine-tuning) keeps a folder that loads the same way: both files, auto_map, the new
     vocabulary in model_args."""
-    from hybridtitan.hf.configuration import AUTO_MAP, REMOTE_CODE
+    from hybridtitan.hf.configuration import AUTO_MAP
+    from hybridtitan.hf.remote import FILES
 
     hf, _ = load(exports["debug_mamba2"])
     x = tokens((1, 12))
@@ -263,7 +311,9 @@ def test_resize_save_and_load_again(exports, tmp_path):
     hf.save_pretrained(tmp_path / "resized")
     config = json.loads((tmp_path / "resized" / "config.json").read_text())
     assert config["auto_map"] == AUTO_MAP and config["model_args"]["vocab_size"] == config["vocab_size"] == 8200
-    assert sorted(p.name for p in (tmp_path / "resized").glob("*.py")) == sorted(REMOTE_CODE)
+    assert sorted(p.name for p in (tmp_path / "resized").glob("*.py")) == sorted(FILES)
+    for name in FILES:  # the folder's own code, copied as it is
+        assert (tmp_path / "resized" / name).read_bytes() == (exports["debug_mamba2"] / name).read_bytes(), name
     again, _ = load(tmp_path / "resized")
     assert again.get_input_embeddings().weight.shape[0] == 8200
     with torch.no_grad():
@@ -279,7 +329,9 @@ def test_activation_checkpointing(exports):
         hf.zero_grad()
         loss = hf(x, labels=x).loss
         loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in hf.named_parameters()}
+        # (the checkpoint wrappers add a level to the parameters' names, not to the state dict's)
+        return loss.detach(), {n.replace("._checkpoint_wrapped_module", ""): p.grad.clone()
+                               for n, p in hf.named_parameters()}
 
     plain_loss, plain = loss_and_grads()
     enable = getattr(hf, "activation_checkpointing_enable", None) or hf.gradient_checkpointing_enable
@@ -287,9 +339,11 @@ def test_activation_checkpointing(exports):
     enable()
     # transformers 5.24 renamed is_gradient_checkpointing (a deprecated alias now)
     is_on = getattr(type(hf), "is_activation_checkpointing", None) or type(hf).is_gradient_checkpointing
-    assert is_on.fget(hf) and all(hf.model.checkpointed)
+    wrapped = [hasattr(layer, "_checkpoint_wrapped_module") for layer in hf.model.layers]
+    assert is_on.fget(hf) and all(wrapped)
     calls = []
-    hooks = [layer.register_forward_pre_hook(lambda *a: calls.append(1)) for layer in hf.model.layers]
+    hooks = [layer._checkpoint_wrapped_module.register_forward_pre_hook(lambda *a: calls.append(1))
+             for layer in hf.model.layers]
     loss, grads = loss_and_grads()
     assert len(calls) == 2 * len(hf.model.layers)  # each sublayer ran again in the backward pass
     for h in hooks:
@@ -302,7 +356,7 @@ def test_activation_checkpointing(exports):
     with pytest.raises(ValueError, match="activation checkpointing"):
         hf(x[:, 8:], past_key_values=cache)
     disable()
-    assert not is_on.fget(hf) and not any(hf.model.checkpointed)
+    assert not is_on.fget(hf) and not any(hasattr(layer, "_checkpoint_wrapped_module") for layer in hf.model.layers)
 
 
 def test_fresh_init_and_bfloat16(exports, trained):
@@ -340,7 +394,11 @@ for name, folder in json.loads(sys.argv[2]).items():
     with torch.no_grad():
         tensors[name + ".logits"] = model(x["logits"]).logits
     tensors[name + ".generated"] = model.generate(x["prompt"], max_new_tokens=12, do_sample=False, use_cache=True)
+    tensors[name + ".padded"] = model.generate(input_ids=x["padded"], attention_mask=x["mask"], max_new_tokens=6,
+                                               do_sample=False, pad_token_id=0)
     ids = tok("hello world")["input_ids"]
+    from transformers import PreTrainedTokenizerFast
+    assert PreTrainedTokenizerFast.from_pretrained(folder)("hello world")["input_ids"] == ids  # no flag, no question
     results[name] = {"class": type(model).__module__ + "." + type(model).__name__, "dtype": str(model.dtype),
                      "tokens": ids, "text": tok.decode(ids)}
 torch.save(tensors, f"{out}/tensors.pt")
@@ -369,7 +427,9 @@ def standalone_python(tmp_path_factory) -> Path:
 
 def test_loads_in_fresh_environment_with_transformers_alone(standalone_python, trained, exports, tmp_path):
     flavors = ("debug_hybrid", "debug_mamba2")
-    inputs = {"logits": tokens((2, 80)), "prompt": tokens((1, 9), seed=1)}
+    prompts = [tokens((1, n), seed=n)[0] for n in (4, 10)]
+    padded, mask = left_padded(prompts)
+    inputs = {"logits": tokens((2, 80)), "prompt": tokens((1, 9), seed=1), "padded": padded, "mask": mask}
     torch.save(inputs, tmp_path / "inputs.pt")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"), OMP_NUM_THREADS="1")
@@ -378,6 +438,8 @@ def test_loads_in_fresh_environment_with_transformers_alone(standalone_python, t
         [str(standalone_python), "-c", CHILD, str(tmp_path), json.dumps({f: str(exports[f]) for f in flavors})],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)  # cwd: not the repository
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    # trust_remote_code on both: no question asked, the folder's own config class used (no model-type warning)
+    assert "to instantiate a model of type" not in proc.stderr and "[y/N]" not in proc.stdout + proc.stderr
     results = json.loads((tmp_path / "results.json").read_text())
     tensors = torch.load(tmp_path / "tensors.pt")
     assert results["importable"] == {"hybridtitan": False, "fla": False}
@@ -397,3 +459,5 @@ def test_loads_in_fresh_environment_with_transformers_alone(standalone_python, t
             expected = ref(inputs["logits"])
         torch.testing.assert_close(tensors[f"{flavor}.logits"], expected, atol=1e-5, rtol=0)
         assert torch.equal(tensors[f"{flavor}.generated"], reference_greedy(ref, inputs["prompt"], 12))
+        for row, prompt in zip(tensors[f"{flavor}.padded"], prompts):
+            assert torch.equal(row[-6:], reference_greedy(ref, prompt[None], 6)[0, -6:])

@@ -8,28 +8,39 @@ them, and are never read back.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import shutil
 
 from transformers import PreTrainedConfig
 
-from hybridtitan.models import ModelArgs
+from hybridtitan.models.args import ModelArgs, model_args_from_dict, model_args_to_dict
 
-# For trust_remote_code: a saved folder's auto_map names these two files, standalone modules (torch and
-# transformers, FLA's kernels on GPUs when it imports) kept in remote_code/ and copied into the folder: it loads
-# without hybridtitan. Where hybridtitan is imported, its registration gives the classes of this package instead.
-REMOTE_CODE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "remote_code")
-REMOTE_CODE = ("configuration_hybridtitan.py", "modeling_hybridtitan.py")
+# For trust_remote_code: a saved folder's auto_map names these two files, and they and the files they import are
+# this package's own modules written flat into the folder (hybridtitan.hf.remote): it loads without hybridtitan.
+# Where hybridtitan is imported, its registration gives the classes of this package instead.
 AUTO_MAP = {
     "AutoConfig": "configuration_hybridtitan.HybridTitanConfig",
     "AutoModelForCausalLM": "modeling_hybridtitan.HybridTitanForCausalLM",
 }
+ENTRY_FILES = ("configuration_hybridtitan.py", "modeling_hybridtitan.py")
 
 
-def write_remote_code(folder: str) -> None:
-    """Copies the two standalone files that AUTO_MAP names into ``folder``."""
-    for name in REMOTE_CODE:
-        shutil.copyfile(os.path.join(REMOTE_CODE_DIR, name), os.path.join(folder, name))
+def is_model_code(name: str) -> bool:
+    """Whether a file name is one of an export's code files (the entry points or a flat hybridtitan module)."""
+    return name in ENTRY_FILES or (name.startswith("hybridtitan_") and name.endswith(".py"))
+
+
+def write_model_code(folder: str) -> None:
+    """The model's code into ``folder``: written from the package's modules, or, where this module is itself an
+    export's copy (loaded by trust_remote_code), copied from the folder it came from."""
+    if __name__.startswith("hybridtitan."):  # the package (imported by name: an export's copy cannot import it)
+        importlib.import_module("hybridtitan.hf.remote").write_model_code(folder)
+        return
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in sorted(os.listdir(here)):
+        if is_model_code(name) and not os.path.samefile(here, folder):
+            shutil.copyfile(os.path.join(here, name), os.path.join(folder, name))
 
 
 @contextlib.contextmanager
@@ -37,7 +48,7 @@ def without_auto_class(obj):
     """transformers' save_pretrained copies the source file of a class registered for an Auto class
     (``register_for_auto_class``, as a trust_remote_code load does) and points auto_map at it: for this package's
     classes that would be a module importing hybridtitan, under its own name. Saving with ``_auto_class`` unset
-    skips that, and REMOTE_CODE / AUTO_MAP are written instead."""
+    skips that, and the model's code (write_model_code) and AUTO_MAP are written instead."""
     own = "_auto_class" in vars(obj)
     saved = vars(obj).get("_auto_class")
     obj._auto_class = None
@@ -62,9 +73,13 @@ class HybridTitanConfig(PreTrainedConfig):
         pad_token_id: int | None = None,
         bos_token_id: int | None = None,
         eos_token_id: int | None = None,
+        use_fla_kernels: bool = True,
         **kwargs,
     ):
         self.model_args = dict(model_args or {})
+        # the model's recurrences, norms and convolutions in FLA's Triton kernels where FLA imports and the tensors
+        # are on a GPU; False keeps a GPU on the PyTorch forms (from_pretrained(..., use_fla_kernels=False))
+        self.use_fla_kernels = use_fla_kernels
         self.max_position_embeddings = max_position_embeddings
         self.use_cache = use_cache
         if self.model_args:
@@ -78,14 +93,12 @@ class HybridTitanConfig(PreTrainedConfig):
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id, **kwargs)
 
     def to_model_args(self) -> ModelArgs:
-        from hybridtitan.checkpoint import model_args_from_dict
-
         if not self.model_args:
             raise ValueError("this hybridtitan config has no model_args")
         return model_args_from_dict(self.model_args)
 
     def save_pretrained(self, save_directory, push_to_hub: bool = False, **kwargs):
-        """Also writes the two standalone files that auto_map names, so that the folder loads with
+        """Also writes the model's code that auto_map names (write_model_code), so that the folder loads with
         trust_remote_code where hybridtitan is not installed."""
         self.auto_map = dict(AUTO_MAP)
         if self.model_args and getattr(self, "vocab_size", None) not in (None, self.model_args.get("vocab_size")):
@@ -93,10 +106,8 @@ class HybridTitanConfig(PreTrainedConfig):
             self.model_args["vocab_size"] = self.vocab_size
         with without_auto_class(self):
             super().save_pretrained(save_directory, push_to_hub=push_to_hub, **kwargs)
-        write_remote_code(save_directory)
+        write_model_code(save_directory)
 
     @classmethod
     def from_model_args(cls, args: ModelArgs, **kwargs) -> "HybridTitanConfig":
-        from hybridtitan.checkpoint import model_args_to_dict
-
         return cls(model_args=model_args_to_dict(args), **kwargs)

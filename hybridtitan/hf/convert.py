@@ -406,10 +406,10 @@ def load_hf_model(folder: str, dtype: torch.dtype = torch.float32, device="cpu")
 def _only_an_export(folder: str, entries: list[str]) -> bool:
     """Every entry is a file an export writes: config and tokenizer JSONs, weights, our remote code, tokenizer
     files of other kinds."""
-    from hybridtitan.hf.configuration import REMOTE_CODE
+    from hybridtitan.hf.configuration import is_model_code
 
     def ours(name: str) -> bool:
-        return (name.endswith((".json", ".safetensors", ".jinja")) or name in REMOTE_CODE
+        return (name.endswith((".json", ".safetensors", ".jinja")) or is_model_code(name)
                 or name in ("merges.txt", "vocab.txt", "tokenizer.model"))
 
     return all(os.path.isfile(os.path.join(folder, n)) and ours(n) for n in entries)

@@ -21,6 +21,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from hybridtitan.models import HybridLM, InferenceCache
 from hybridtitan.models.model import init_module
+from hybridtitan.ops import KernelConfig, Kernels, fla_available
 
 from .configuration import HybridTitanConfig, without_auto_class
 
@@ -144,12 +145,15 @@ class HybridTitanPreTrainedModel(PreTrainedModel):
 
 
 class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
-    """A causal LM over HybridLM. ``forward`` accepts what ``generate`` passes; padding is supported only on the
-    right and without a cache (a recurrent state cannot skip left padding)."""
+    """A causal LM over HybridLM. ``forward`` accepts what ``generate`` passes. A batch padded on the left (or
+    anywhere but the end) is fed a row at a time, so that no pad enters a recurrent state, a convolution window or
+    attention, and its cache then decodes the rows together; right padding is harmless without a cache."""
 
     def __init__(self, config: HybridTitanConfig):
         super().__init__(config)
-        self.model = HybridLM(config.to_model_args())
+        # the GPU kernels where FLA imports (and the config allows them); the PyTorch forms everywhere else
+        fla = getattr(config, "use_fla_kernels", True) and fla_available()
+        self.model = HybridLM(config.to_model_args(), Kernels(KernelConfig(reference=not fla)))
         self.post_init()
 
     @classmethod
@@ -190,6 +194,33 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
                                            every_n_layers, checkpoint_fn=gradient_checkpointing_func)
         self.gradient_checkpointing = enable  # what transformers' is_gradient_checkpointing looks for
 
+    def _rows_alone(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: HybridCache | None,
+                    collected: list | None) -> torch.Tensor:
+        """The final-normed hidden states [B, T, D] of a padded batch, each row's real tokens fed alone (a recurrent
+        state, a convolution window or attention never sees a pad; the pads' states are zero), with a cache holding
+        the rows' states stacked (InferenceCache.stack) where one is kept, and their hidden states in ``collected``."""
+        B, T = input_ids.shape
+        rows, caches, hiddens = [], [], []
+        for i in range(B):
+            real = attention_mask[i].bool()
+            inner = InferenceCache(len(self.model.layers)) if cache is not None else None
+            mine = [] if collected is not None else None
+            rows.append(real)
+            hiddens.append((self.model.hidden_states(input_ids[i, real][None], cache=inner, collect=mine), mine))
+            caches.append(inner)
+        if cache is not None:
+            cache.inner = InferenceCache.stack(caches)
+
+        def placed(tensors: list[torch.Tensor]) -> torch.Tensor:
+            out = tensors[0].new_zeros(B, T, tensors[0].shape[-1])
+            for i, (real, t) in enumerate(zip(rows, tensors)):
+                out[i, real] = t[0]
+            return out
+
+        if collected is not None:
+            collected.extend(placed([mine[j] for _, mine in hiddens]) for j in range(len(hiddens[0][1])))
+        return placed([h for h, _ in hiddens])
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -210,8 +241,7 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
             cache = past_key_values
         if use_cache is None:
             # by default an eval forward returns a cache to decode on, except for a padded batch (scoring,
-            # evaluation), which it cannot hold: such a forward is right without one. A cache passed in is used
-            # (and a padded mask with it refused: _check_mask), never dropped.
+            # evaluation: generate() asks for one). A cache passed in is used, never dropped.
             use_cache = self.config.use_cache and not self.training and (cache is not None
                                                                          or not _padded(attention_mask))
         if cache is not None and not isinstance(cache, HybridCache):
@@ -226,13 +256,17 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
         # a new one is made
         if use_cache and cache is None:
             cache = HybridCache(len(self.model.layers))
-        _check_mask(attention_mask, with_cache=cache is not None)
-
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
         # as transformers' models: the embeddings' output, each sublayer's input after it, the final-normed states
         collected = [] if output_hidden_states else None
-        h = self.model.hidden_states(input_ids, cache=cache.inner if cache is not None else None, collect=collected)
+        if _left_padded(attention_mask) and not (cache is not None and cache.seen_tokens):
+            # prompts of other lengths: each row alone, no pad in any state; a cache then holds the rows stacked
+            h = self._rows_alone(input_ids, attention_mask, cache, collected)
+        else:
+            _check_mask(attention_mask, with_cache=cache is not None)
+            h = self.model.hidden_states(input_ids, cache=cache.inner if cache is not None else None,
+                                         collect=collected)
         all_hidden = tuple(collected) if collected is not None else None
         if cache is not None:
             cache.seen_tokens += input_ids.shape[1]
@@ -260,17 +294,23 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=all_hidden, **{_CACHE_FIELD: cache})
 
 
+def _left_padded(attention_mask: torch.Tensor | None) -> bool:
+    """A 2-D mask with a pad before a real token in some row (left padding, or pads anywhere but at the end)."""
+    if not _padded(attention_mask):
+        return False
+    m = attention_mask.long()
+    return bool((m[:, 1:] > m[:, :-1]).any())
+
+
 def _padded(attention_mask: torch.Tensor | None) -> bool:
     return attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all())
 
 
 def _check_mask(attention_mask: torch.Tensor | None, with_cache: bool) -> None:
-    """Right padding is harmless in a causal forward; anything else would leak pads into the recurrent state."""
+    """A batch fed whole: right padding is harmless in a causal forward without a cache; a cache decoding from
+    left-padded rows (their padding already set aside, _rows_alone) takes masks whose new positions are real."""
     if not _padded(attention_mask):
         return
-    if with_cache:
-        raise ValueError("HybridTitanForCausalLM cannot decode padded batches (a recurrent state cannot skip pads): "
-                         "generate each prompt on its own, or batch prompts of equal length")
-    m = attention_mask.long()
-    if bool((m[:, 1:] > m[:, :-1]).any()):
-        raise ValueError("HybridTitanForCausalLM supports right padding only (a recurrent state cannot skip left pads)")
+    if with_cache and not _left_padded(attention_mask):
+        raise ValueError("HybridTitanForCausalLM cannot decode right-padded batches (the next token would follow the "
+                         "pads): pad on the left (tokenizer.padding_side = 'left'), as generate() expects")

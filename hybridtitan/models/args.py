@@ -185,3 +185,18 @@ def _check_positive(args, prefix: str) -> None:
         value = getattr(args, f.name)
         if isinstance(value, int) and not isinstance(value, bool) and value <= 0 and f.name not in ZERO_MEANS_NONE:
             raise ValueError(f"{prefix}.{f.name} must be positive, got {value}")
+
+
+def model_args_to_dict(args: ModelArgs) -> dict:
+    """As model_args.json holds them (a checkpoint's, an export's config.json's model_args)."""
+    return dataclasses.asdict(args)
+
+
+def model_args_from_dict(d: dict) -> ModelArgs:
+    """ModelArgs from model_args_to_dict's form; a checkpoint older than a kind of sublayer holds none of its
+    sizes: the defaults."""
+    d = dict(d)
+    for key, cls in (("gdn", GDNArgs), ("kda", KDAArgs), ("mamba2", Mamba2Args), ("mla", MLAArgs), ("gqa", GQAArgs)):
+        if key in d:
+            d[key] = cls(**d[key])
+    return ModelArgs(**d)

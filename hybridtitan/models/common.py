@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from hybridtitan import ops
 from hybridtitan.ops import Kernels
 
+from .rope import positions_of
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight. Given ``residual`` (the fused residual form, hybridtitan.ops.residual), it returns
@@ -122,3 +124,27 @@ def init_dt_bias(dt_bias: torch.Tensor, dt_min: float = 1e-3, dt_max: float = 0.
     nn.init.uniform_(dt_bias)
     dt_bias.mul_(math.log(dt_max) - math.log(dt_min)).add_(math.log(dt_min)).exp_().clamp_(min=floor)
     dt_bias.add_(torch.log(-torch.expm1(-dt_bias)))
+
+
+def new_positions(cache, key: str, T: int, rows: int, device) -> torch.Tensor:
+    """Positions of an attention sublayer's T new tokens: [1, T] after the ``key`` sequence its cache holds, or
+    [B, T] where the cache holds rows of other lengths left-padded (``key_mask``): each row after its own."""
+    if cache is not None and "key_mask" in cache:
+        return cache["key_mask"].sum(1, keepdim=True) + torch.arange(T, device=device)
+    offset = cache[key].shape[1] if cache is not None and key in cache else 0
+    return positions_of(T, rows, offset, device).unsqueeze(0)
+
+
+def extend_cache(cache, **sequences: torch.Tensor) -> list[torch.Tensor]:
+    """Each cached sequence [B, S, ...] with the new tokens' [B, T, ...] appended (the cache keeps them), and the
+    key mask, where the cache holds one, grown by the T new positions (all real)."""
+    out = []
+    for name, new in sequences.items():
+        if name in cache:
+            new = torch.cat([cache[name], new], dim=1)
+        cache[name] = new
+        out.append(new)
+    if "key_mask" in cache:
+        B, T = next(iter(sequences.values())).shape[:2]
+        cache["key_mask"] = torch.cat([cache["key_mask"], cache["key_mask"].new_ones(B, T)], dim=1)
+    return out

@@ -17,8 +17,8 @@ from hybridtitan import ops
 from hybridtitan.ops import Kernels
 
 from .args import GQAArgs
-from .common import fused_linear
-from .rope import apply_rope, llama3_inv_freq, plain_inv_freq, positions_of, rope_cos_sin
+from .common import extend_cache, fused_linear, new_positions
+from .rope import apply_rope, llama3_inv_freq, plain_inv_freq, rope_cos_sin
 
 
 def gqa_inv_freq(args: GQAArgs, device=None) -> torch.Tensor:
@@ -43,14 +43,12 @@ class GroupedQueryAttention(nn.Module):
         B, T, _ = x.shape
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = fused_linear(x, self.q_proj, self.k_proj, self.v_proj)
-        offset = cache["k"].shape[1] if cache is not None and "k" in cache else 0
-        cos, sin = rope_cos_sin(positions_of(T, rows, offset, x.device).unsqueeze(0), gqa_inv_freq(self.args, x.device))
+        cos, sin = rope_cos_sin(new_positions(cache, "k", T, rows, x.device), gqa_inv_freq(self.args, x.device))
         q = apply_rope(q.view(B, T, H, D), cos, sin)
         k = apply_rope(k.view(B, T, KV, D), cos, sin)
         v = v.view(B, T, KV, D)
         if cache is not None:
-            if offset:
-                k, v = torch.cat([cache["k"], k], dim=1), torch.cat([cache["v"], v], dim=1)
-            cache["k"], cache["v"] = k, v
-        o = self.ops.attention(q, k, v, self.softmax_scale, cu_seqlens=cu_seqlens, rows=rows)
+            k, v = extend_cache(cache, k=k, v=v)
+        o = self.ops.attention(q, k, v, self.softmax_scale, cu_seqlens=cu_seqlens, rows=rows,
+                               key_mask=cache.get("key_mask") if cache is not None else None)
         return self.o_proj(o.reshape(B, T, H * D))

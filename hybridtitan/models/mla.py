@@ -22,8 +22,8 @@ from hybridtitan import ops
 from hybridtitan.ops import Kernels
 
 from .args import MLAArgs
-from .common import RMSNorm, fused_linear
-from .rope import apply_rope, positions_of, rope_cos_sin, yarn_inv_freq, yarn_mscale
+from .common import RMSNorm, extend_cache, fused_linear, new_positions
+from .rope import apply_rope, rope_cos_sin, yarn_inv_freq, yarn_mscale
 
 
 def mla_inv_freq(args: MLAArgs, device=None) -> torch.Tensor:
@@ -70,20 +70,17 @@ class MultiLatentAttention(nn.Module):
         q_nope, q_rope = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
         c_kv, k_rope = kv_latent.split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
 
-        offset = cache["c_kv"].shape[1] if cache is not None and "c_kv" in cache else 0
-        positions = positions_of(T, rows, offset, x.device)
-        cos, sin = rope_cos_sin(positions.unsqueeze(0), mla_inv_freq(a, x.device), self.rope_mscale)
+        positions = new_positions(cache, "c_kv", T, rows, x.device)
+        cos, sin = rope_cos_sin(positions, mla_inv_freq(a, x.device), self.rope_mscale)
         q_rope = apply_rope(q_rope, cos, sin)
         k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin)
         if cache is not None:
-            if offset:
-                c_kv = torch.cat([cache["c_kv"], c_kv], dim=1)
-                k_rope = torch.cat([cache["k_rope"], k_rope], dim=1)
-            cache["c_kv"], cache["k_rope"] = c_kv, k_rope
+            c_kv, k_rope = extend_cache(cache, c_kv=c_kv, k_rope=k_rope)
         S = c_kv.shape[1]
         kv = self.kv_up_proj(self.kv_norm(c_kv) if a.latent_norm else c_kv).view(B, S, H, a.qk_nope_head_dim + a.v_head_dim)
         k_nope, v = kv.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(B, S, H, a.qk_rope_head_dim)], dim=-1)
-        o = self.ops.attention(q, k, v, self.softmax_scale, cu_seqlens=cu_seqlens, rows=rows)
+        o = self.ops.attention(q, k, v, self.softmax_scale, cu_seqlens=cu_seqlens, rows=rows,
+                               key_mask=cache.get("key_mask") if cache is not None else None)
         return self.o_proj(o.reshape(B, T, H * a.v_head_dim))

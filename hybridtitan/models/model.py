@@ -115,6 +115,30 @@ class InferenceCache:
     def layer(self, i: int) -> LayerState:
         return self.layers[i]
 
+    @staticmethod
+    def stack(caches: list["InferenceCache"]) -> "InferenceCache":
+        """One batched cache from the caches of rows decoded apart (prompts of other lengths, each fed alone so
+        that no padding enters a recurrent state, a convolution window or attention): the states stacked, the
+        attention's cached sequences of other lengths left-padded with a ``key_mask`` of the real positions, which
+        the attention sublayers honour from then on."""
+        out = InferenceCache(len(caches[0].layers))
+        for i, state in enumerate(out.layers):
+            rows = [c.layers[i] for c in caches]
+            lengths = None
+            for key in rows[0]:
+                values = [r[key] for r in rows]
+                if all(v.shape == values[0].shape for v in values):
+                    state[key] = torch.cat(values, dim=0)
+                    continue
+                longest = max(v.shape[1] for v in values)  # a sequence: left-padded to the longest
+                state[key] = torch.cat([torch.cat([v.new_zeros(v.shape[0], longest - v.shape[1], *v.shape[2:]), v],
+                                                  dim=1) for v in values], dim=0)
+                lengths = [v.shape[1] for v in values]
+            if lengths is not None:
+                positions = torch.arange(max(lengths), device=state[key].device)
+                state["key_mask"] = torch.stack([positions >= max(lengths) - n for n in lengths])
+        return out
+
     def reorder(self, index: torch.Tensor) -> None:
         """Select batch rows (beam search); every state has the batch first."""
         for state in self.layers:

@@ -77,6 +77,17 @@ def _fla():
 
 
 @functools.cache
+def fla_available() -> bool:
+    """Whether FLA's kernels import here (flash-linear-attention and Triton; an export loaded where they are
+    missing runs the PyTorch forms instead, hybridtitan.hf.modeling)."""
+    try:
+        _fla()
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
 def _compiled(fn):
     return torch.compile(fn)
 
@@ -252,12 +263,13 @@ class Kernels:
             return _fla().swiglu_linear(gate, up, weight)
         return F.linear(F.silu(gate) * up, weight)
 
-    def attention(self, q, k, v, scale, cu_seqlens=None, rows=1):
-        """Causal attention. q: [B, T, H, Dk]; k: [B, T, Hk, Dk]; v: [B, T, Hk, Dv] (Hk dividing H: grouped-query
-        heads); packed documents as ``cu_seqlens`` over a batch of one flattened from ``rows`` rows."""
-        if self.backend_for(q) == "fla":
+    def attention(self, q, k, v, scale, cu_seqlens=None, rows=1, key_mask=None):
+        """Causal attention. q: [B, T, H, Dk]; k: [B, S, Hk, Dk]; v: [B, S, Hk, Dv] (Hk dividing H: grouped-query
+        heads; S > T when decoding: the queries are the last T positions); packed documents as ``cu_seqlens`` over a
+        batch of one flattened from ``rows`` rows; ``key_mask`` [B, S]: the keys that exist (left-padded rows)."""
+        if self.backend_for(q) == "fla" and key_mask is None:
             return _fla().attention(q, k, v, scale, cu_seqlens, rows)
-        return reference.causal_attention(q, k, v, scale, cu_seqlens, rows)
+        return reference.causal_attention(q, k, v, scale, cu_seqlens, rows, key_mask=key_mask)
 
     def linear_cross_entropy(self, hidden, weight, targets, ignore_index: int = -100, chunk_size: int = 4096):
         """Summed cross-entropy of ``hidden @ weight.T`` and the number of counted targets, never holding all the

@@ -274,9 +274,10 @@ def gated_rms_norm(
 
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cu_seqlens: torch.Tensor | None = None,
-    batch_rows: int = 1,
+    batch_rows: int = 1, key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal softmax attention with SDPA; with ``cu_seqlens`` no token attends across a document.
+    """Causal softmax attention with SDPA; with ``cu_seqlens`` no token attends across a document; with
+    ``key_mask`` [B, S] (rows of other lengths, left-padded) no query attends to a key that is False there.
 
     q: [B, T, H, Dk]; k: [B, S, Hk, Dk]; v: [B, S, Hk, Dv], Hk dividing H (grouped-query attention: key/value head
     j serves query heads j * H / Hk ... (j + 1) * H / Hk - 1). Packed documents arrive flattened as a batch of one;
@@ -288,8 +289,10 @@ def causal_attention(
     if cu_seqlens is None:
         S = k.shape[1]
         mask = None
-        if S != T:  # decoding: the T new queries are the last T positions of the S keys
+        if S != T or key_mask is not None:  # decoding: the T new queries are the last T positions of the S keys
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+            if key_mask is not None:
+                mask = (mask & key_mask.bool()[:, None, :]).unsqueeze(1)  # [B, 1, T, S]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None,
             scale=scale, **gqa,
