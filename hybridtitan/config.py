@@ -142,6 +142,10 @@ class Checkpoint:
     """Save only the model at the last step (smaller; the run cannot be extended from it). Off: the last
     checkpoint is a full one, like every other"""
 
+    allow_tokenizer_change: bool = False
+    """Start from a checkpoint trained with another tokenizer than data.tokenizer (refused otherwise: the same ids
+    would mean other tokens); for a deliberate change of vocabulary"""
+
 
 def _held_out() -> Data:
     return Data(path="", shuffle=False)
@@ -442,7 +446,13 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
         arg = args[i]
         i += 1
         if not arg.startswith("--"):
-            raise ConfigError(f"bad command-line value: Unrecognized options: {arg}")
+            hint = ""
+            option, value = (args[i - 3], args[i - 2]) if i >= 3 else ("", "")
+            if os.path.exists(arg) and os.path.exists(value) and option.startswith("--"):
+                # `--data.path data/shard_*` unquoted: the shell passed the files, the first as the value
+                hint = (f" ({option} {value} {arg} ...: an unquoted glob the shell expanded into files? "
+                        f"quote it: {option} 'PATTERN')")
+            raise ConfigError(f"bad command-line value: Unrecognized options: {arg}{hint}")
         name, eq, value = arg[2:].partition("=")
         key = name.replace("-", "_")
         negated = False

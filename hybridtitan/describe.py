@@ -173,13 +173,110 @@ def _print_table(d: dict) -> None:
           f"+ loss chunk {m['loss_chunk']:.2f}  ({m['assumes']})")
 
 
+def batch_plan(cfg, world_size: int) -> dict:
+    """The batch arithmetic of a recipe on ``world_size`` ranks: the data-parallel layout, whether the global batch
+    divides into local batches of every rank (and micro-batches), and, where it does not, the largest local batch
+    up to the recipe's that does, with its gradient accumulation. {"problem": ...} for a layout that cannot be."""
+    from hybridtitan.parallel import resolve_data_parallel
+
+    p = cfg.parallelism
+    try:
+        dp = resolve_data_parallel(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, world_size)
+    except ValueError as e:
+        return {"world_size": world_size, "ok": False, "problem": str(e)}
+    t = cfg.training
+    per_step = t.local_batch_size * dp.size
+    global_batch = per_step if t.global_batch_size == -1 else t.global_batch_size
+    out = {"world_size": world_size, "replicate": dp.replicate, "shard": dp.shard, "global_batch": global_batch,
+           "local_batch": t.local_batch_size, "ok": global_batch % per_step == 0}
+    if out["ok"]:
+        out["accumulation"] = global_batch // per_step
+        return out
+    fits = [b for b in range(t.local_batch_size, 0, -1) if global_batch % (b * dp.size) == 0]
+    out["problem"] = (f"training.global_batch_size ({global_batch}) is not divisible by local_batch_size x "
+                      f"data-parallel size ({t.local_batch_size} x {dp.size} = {per_step})")
+    if fits:
+        out["suggestion"] = {"local_batch": fits[0], "accumulation": global_batch // (fits[0] * dp.size)}
+    return out
+
+
+def plan_lines(cfg, plan: dict, nodes: int | None, data_problem: str | None) -> tuple[list[str], bool]:
+    """What describe --world-size says of a plan, and whether it holds."""
+    where = f"{plan['world_size']} GPUs" + (f" ({nodes} nodes x {plan['world_size'] // nodes})" if nodes else "")
+    if "replicate" not in plan:
+        return [f"plan for {where}: {plan['problem']}"], False
+    lines = [f"plan for {where}: data parallel replicate {plan['replicate']} x shard {plan['shard']}, global batch "
+             f"{plan['global_batch']} x {cfg.training.seq_len} tokens"]
+    if plan["ok"]:
+        lines.append(f"  local batch {plan['local_batch']}, gradient accumulation {plan['accumulation']}: OK")
+    else:
+        fix = plan.get("suggestion")
+        lines.append(f"  {plan['problem']}" + (
+            f": use --training.local_batch_size {fix['local_batch']} (gradient accumulation {fix['accumulation']})"
+            if fix else f": the global batch is smaller than the {plan['shard'] * plan['replicate']} data-parallel "
+                        "ranks; raise training.global_batch_size to a multiple of them"))
+    if data_problem:
+        lines.append(f"  data: {data_problem}")
+    return lines, plan["ok"] and not data_problem
+
+
+def data_problem(cfg) -> str | None:
+    """The trainer's checks of the data before a run (files, manifests, tokenizer, held-out overlap), here: the
+    problem in one line, or None."""
+    from hybridtitan.config import validate
+    from hybridtitan.data import build_tokenizer
+    from hybridtitan.preflight import check_data_files
+
+    try:
+        validate(cfg, check_data=True)
+        tokenizer = build_tokenizer(cfg.data.tokenizer) if cfg.data.source != "mock" else None
+        check_data_files(cfg, tokenizer)
+    except (ConfigError, ValueError) as e:
+        return str(e)
+    return None
+
+
 USAGE = """usage: python -m hybridtitan.describe --job.config_file RECIPE.toml [--section.key VALUE ...] [--json]
+           [--world-size N | --nodes N [--gpus-per-node G]] [--check]
        python -m hybridtitan.describe --list
        python -m hybridtitan.describe --config-reference
 
 What a recipe builds, without building it: the layer plan, parameters, FLOPs per token per sublayer and a
-memory estimate per device. --json prints it as one JSON object; --list lists the flavors. The recipe's keys
-are the trainer's:"""
+memory estimate per device. --json prints it as one JSON object; --list lists the flavors. --world-size (or
+--nodes x --gpus-per-node, 8 by default) plans the run on that many GPUs: the data-parallel layout, the batch
+arithmetic (and the local batch and accumulation that would work), the memory per GPU at that sharding and the
+data as the trainer will check it; --check then exits with code 2 if the plan does not hold (Slurm runs it before
+training: scripts/slurm/train.sbatch). The recipe's keys are the trainer's:"""
+
+PLAN_FLAGS = {"--world-size": "world_size", "--nodes": "nodes", "--gpus-per-node": "gpus_per_node"}
+
+
+def _plan_options(argv: list[str]) -> tuple[list[str], dict]:
+    """(the recipe's arguments, {world_size, nodes, gpus_per_node, check}) from describe's command line."""
+    rest, options, i = [], {"check": False}, 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, value = arg.partition("=")
+        if name in PLAN_FLAGS:
+            if not eq:
+                i += 1
+                value = argv[i] if i < len(argv) else ""
+            try:
+                options[PLAN_FLAGS[name]] = int(value)
+            except ValueError:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}") from None
+            if options[PLAN_FLAGS[name]] < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        elif arg == "--check":
+            options["check"] = True
+        else:
+            rest.append(arg)
+        i += 1
+    if "nodes" in options:
+        options["world_size"] = options["nodes"] * options.get("gpus_per_node", 8)
+    if options["check"] and "world_size" not in options:
+        raise ConfigError("--check plans a run: give --world-size N or --nodes N [--gpus-per-node G]")
+    return rest, options
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -197,15 +294,29 @@ def main(argv: list[str] | None = None) -> None:
     as_json = "--json" in argv
     argv = [a for a in argv if a != "--json"]
     try:
+        argv, options = _plan_options(argv)
         cfg = parse_config(argv, check_data=False, usage=USAGE)
+        lines, holds = [], True
+        if "world_size" in options:
+            plan = batch_plan(cfg, options["world_size"])
+            if "shard" in plan:  # the memory per GPU at this sharding, with the batch that would run
+                cfg.parallelism.data_parallel_shard_degree = plan["shard"]
+                cfg.training.local_batch_size = (plan.get("suggestion") or {}).get("local_batch",
+                                                                                    cfg.training.local_batch_size)
+            lines, holds = plan_lines(cfg, plan, options.get("nodes"), data_problem(cfg))
         d = describe(cfg)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     if as_json:
-        print(json.dumps(d))
+        print(json.dumps({**d, **({"plan": {"lines": lines, "holds": holds}} if lines else {})}))
     else:
         _print_table(d)
+        for line in lines:
+            print(line)
+    if options["check"] and not holds:
+        print(f"error: the plan for {options['world_size']} GPUs does not hold (above)", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import json
 import logging
 
 import torch
 
 from hybridtitan.config import ConfigError
 from hybridtitan.data.loader import IGNORE_INDEX
+from hybridtitan.data.tokenizer import vocabulary_fingerprint
 from hybridtitan.errors import ConversionError
 from hybridtitan.models import ModelArgs
 from hybridtitan.models.flops import flops_per_token
@@ -49,13 +48,6 @@ class Teacher:
     path: str
     args: ModelArgs
     warning: str | None = None  # what the run's log should say of it
-
-
-def vocabulary_fingerprint(tokenizer) -> str:
-    """A short hash of a tokenizer's token -> id map and special tokens: equal for tokenizers that encode alike."""
-    vocab = sorted(tokenizer.get_vocab().items())
-    special = {k: v for k, v in sorted(tokenizer.special_tokens_map.items()) if isinstance(v, str)}
-    return hashlib.sha256(json.dumps([vocab, special], ensure_ascii=False).encode()).hexdigest()[:16]
 
 
 def check_teacher(cfg, student: ModelArgs, tokenizer) -> Teacher | None:

@@ -26,6 +26,10 @@ from hybridtitan.checkpoint import (
 )
 from hybridtitan.config import ConfigError, held_out_data, model_args
 from hybridtitan.data import HeldOut, build_dataloader, build_tokenizer
+from hybridtitan.data.config import local_data_files, looks_local, megatron_prefixes, resolve_path
+from hybridtitan.data.manifest import check_shards
+from hybridtitan.data.sources import summarize
+from hybridtitan.data.tokenizer import vocabulary_fingerprint
 from hybridtitan.distill import Teacher, check_teacher
 from hybridtitan.errors import first_error_line
 from hybridtitan.models import ModelArgs
@@ -63,6 +67,7 @@ class Plan:
     held_out: HeldOut | None  # the validation set, where validation.enable
     teacher: Teacher | None = None  # the distillation teacher, where [distill] names one
     warnings: tuple[str, ...] = ()  # what the run's log says before training, once logging is set up
+    reads: str = ""  # what the run reads: files, documents, tokens and the epochs the schedule makes of them
 
 
 def preflight(cfg) -> Plan:
@@ -104,11 +109,15 @@ def preflight(cfg) -> Plan:
                                vocab_size=args.vocab_size, eod_mask_loss=t.eod_mask_loss)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    try:
+        data_warnings = check_data_files(cfg, tokenizer)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.eval.tasks:
         check_eval_tasks(cfg)
     teacher = check_teacher(cfg, args, tokenizer)
     start = choose_start(cfg)
-    warnings = [teacher.warning] if teacher is not None and teacher.warning else []
+    warnings = data_warnings + ([teacher.warning] if teacher is not None and teacher.warning else [])
     unread = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
     if not cfg.checkpoint.enable and complete_steps(unread):
         warnings.append(f"checkpoint.enable is false: the checkpoints in {unread} (steps "
@@ -116,9 +125,62 @@ def preflight(cfg) -> Plan:
                         "random initialisation")
     if start is not None:
         check_start(cfg, start, args)
+        if tokenizer is not None and not cfg.checkpoint.allow_tokenizer_change:
+            check_start_tokenizer(cfg, start, tokenizer)
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     return Plan(device, world_size, dp, global_batch // per_step, args, tokenizer, dataloader, seed, start,
-                held_out, teacher, tuple(warnings))
+                held_out, teacher, tuple(warnings), what_the_run_reads(cfg, global_batch))
+
+
+def data_files(data) -> list[str]:
+    """The files a [data] section reads (Megatron prefixes, or local files of the hf source), absolute; [] for a
+    hub dataset or mock data."""
+    if data.source == "megatron":
+        return [os.path.abspath(p) for p in megatron_prefixes(data.path)]
+    if data.source == "hf" and data.path and looks_local(data.path) and not os.path.isdir(resolve_path(data.path)):
+        return [os.path.abspath(p) for p in local_data_files(data.path)]
+    return []
+
+
+def check_data_files(cfg, tokenizer) -> list[str]:
+    """The training and held-out data against what prepared them, before anything is written: no training file
+    that is also held out (a glob that takes in the validation shards), and Megatron shards checked against their
+    manifests (data.manifest.check_shards). ValueError (one line); returns the warnings to log."""
+    training = data_files(cfg.data)
+    warnings = []
+    if cfg.validation.enable:
+        held = data_files(held_out_data(cfg))
+        both = sorted(set(training) & set(held))
+        if both:
+            raise ValueError(f"data.path {cfg.data.path} also takes in the held-out {both[0]}, which "
+                             f"validation.data.path names: the run would train on its validation set (narrow the "
+                             "glob, e.g. PREFIX_* for prepare_data.py's shards)")
+        if cfg.validation.data.source == "megatron":
+            warnings += check_shards(held, fingerprint(tokenizer), "validation.data.path")
+    if cfg.data.source == "megatron":
+        warnings = check_shards(training, fingerprint(tokenizer)) + warnings
+    return warnings
+
+
+def fingerprint(tokenizer) -> str | None:
+    return vocabulary_fingerprint(tokenizer) if tokenizer is not None else None
+
+
+def what_the_run_reads(cfg, global_batch: int) -> str:
+    """One line for the log: the training data's files, documents and tokens, and the epochs of it that
+    training.steps x the global batch x seq_len make (packing adds an EOD after every document)."""
+    planned = cfg.training.steps * global_batch * cfg.training.seq_len
+    summary = summarize(cfg.data)
+    if summary is None:
+        return f"data: {cfg.data.source} source, {planned:,} tokens over the run"
+    files = f"{summary['files']} file(s), " if summary["files"] else ""
+    if summary["tokens"] is None:
+        return (f"data: {files}{summary['documents']:,} documents (tokenized as they are read); the run reads "
+                f"{planned:,} tokens")
+    per_epoch = summary["tokens"] + summary["documents"]
+    return (f"data: {files}{summary['documents']:,} documents, {summary['tokens']:,} tokens; the run reads "
+            f"{planned:,} tokens ({cfg.training.steps} steps x {global_batch} x {cfg.training.seq_len}): "
+            f"{planned / max(per_epoch, 1):.2f} epochs")
 
 
 def check_eval_tasks(cfg) -> None:
@@ -207,6 +269,56 @@ def check_start(cfg, start: StartPoint, args: ModelArgs) -> None:
         for _, was, now in changed_settings(cfg, start.step_dir, ("data.num_workers",)):
             raise ConfigError(f"cannot resume from {start.step_dir}: {OTHER_WORKERS}: the checkpoint's "
                               f"data.num_workers is {was}, this run's {now}")
+        check_start_data(cfg, start)
+
+
+def data_identity(data) -> list:
+    """What a [data] section reads, as a resume compares it: each file's name and size (a Megatron shard's .bin),
+    else the source and path (a hub dataset, mock data). A moved folder of the same files is the same data."""
+    files = data_files(data)
+    if not files:
+        return [data.source, data.path]
+    return [[os.path.basename(f), os.path.getsize(f + ".bin" if data.source == "megatron" else f)] for f in files]
+
+
+def check_start_data(cfg, start: StartPoint) -> None:
+    """A resume that loads the data loader's position reads the data that position was taken in: with other files
+    it would index other documents, silently. Refused unless the loader's state is left out (the new data then
+    starts at its beginning); a checkpoint saved without a record of its data is not compared."""
+    try:
+        saved = read_job_config(start.step_dir).get("data_identity")
+    except (OSError, ValueError, AttributeError):
+        saved = None
+    if saved is None:
+        return
+    now = data_identity(cfg.data)
+    if saved != now:
+        def show(identity):
+            names = [f[0] if isinstance(f, list) else str(f) for f in identity]
+            return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise ConfigError(f"cannot resume from {start.step_dir}: data.path reads other data than the run it continues "
+                          f"({show(saved)} then, {show(now)} now), so the loader's saved position would index other "
+                          "documents; to train on the new data from its beginning, say so: "
+                          "--checkpoint.exclude_from_loading dataloader")
+
+
+def check_start_tokenizer(cfg, start: StartPoint, tokenizer) -> None:
+    """The starting checkpoint was trained with (or imported with) a tokenizer of data.tokenizer's vocabulary:
+    its job config's fingerprint, else the tokenizer folder saved inside it; nothing to compare with, no check."""
+    try:
+        saved = read_job_config(start.step_dir).get("tokenizer_fingerprint")
+    except (OSError, ValueError, AttributeError):
+        saved = None
+    inside = os.path.join(start.step_dir, "tokenizer")
+    if saved is None and os.path.isdir(inside):
+        try:
+            saved = vocabulary_fingerprint(build_tokenizer(inside))
+        except ValueError:
+            saved = None
+    if saved is not None and saved != vocabulary_fingerprint(tokenizer):
+        raise ConfigError(f"{start.step_dir} was trained with another tokenizer than data.tokenizer "
+                          f"({cfg.data.tokenizer}): the same ids would mean other tokens (checkpoint.allow_tokenizer_"
+                          "change = true starts from it all the same)")
 
 
 def changed_settings(cfg, step_dir: str, keys: tuple[str, ...]) -> list[tuple[str, object, object]]:

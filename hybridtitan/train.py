@@ -41,6 +41,7 @@ from hybridtitan.checkpoint import CheckpointManager
 from hybridtitan.config import TRAIN_USAGE, ConfigError, compiles, parse_config, selective_ac_interval, to_dict
 from hybridtitan.data.config import recorded_path
 from hybridtitan.data.loader import IGNORE_INDEX
+from hybridtitan.data.tokenizer import vocabulary_fingerprint
 from hybridtitan.distill import Distiller, training_flops_per_token
 from hybridtitan.errors import DataError, first_error_line
 from hybridtitan.metrics import MetricsLogger
@@ -48,7 +49,7 @@ from hybridtitan.models import build_model
 from hybridtitan.models.flops import param_counts
 from hybridtitan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
 from hybridtitan.parallel import build_mesh, parallelize
-from hybridtitan.preflight import Plan, preflight
+from hybridtitan.preflight import Plan, data_identity, preflight
 from hybridtitan.resume import resume
 
 logger = logging.getLogger("hybridtitan")
@@ -249,6 +250,9 @@ class Trainer:
         self.state = TrainState()
         self.job_dict = to_dict(cfg)
         self.job_dict["data"]["tokenizer"] = recorded_path(cfg.data.tokenizer)  # export/eval may run elsewhere
+        if plan.tokenizer is not None:  # what a resume compares its data.tokenizer with
+            self.job_dict["tokenizer_fingerprint"] = vocabulary_fingerprint(plan.tokenizer)
+        self.job_dict["data_identity"] = data_identity(cfg.data)  # what a resume compares its data with
         c = cfg.checkpoint
         self.checkpointer = CheckpointManager(
             os.path.join(cfg.job.dump_folder, c.folder), model=self.model, optimizer=self.optimizer,
@@ -291,6 +295,7 @@ class Trainer:
         logger.info(f"{plan.world_size} rank(s) on {self.device.type}: data parallel replicate {plan.dp.replicate} x "
                     f"shard {plan.dp.shard}, local batch {cfg.training.local_batch_size} x seq "
                     f"{cfg.training.seq_len}, gradient accumulation {plan.grad_accum}")
+        logger.info(plan.reads)
         if self.device.type == "cuda" and args.mixer == "mamba2":
             from hybridtitan.ops.fla_backend import MIN_TRAINED_HEAD_DIM
 

@@ -7,8 +7,11 @@
     python scripts/prepare_data.py --dataset "corpus/*.jsonl" --tokenizer hybridtitan/assets/tokenizer \\
         --output data/corpus/train
 
-writes PREFIX_00000.bin/.idx, PREFIX_00001.bin/.idx, ... (a new shard every --shard-size-tokens tokens), then
-prints the `data.path` to train on; with --validation N (a count, or a fraction below 1) the held-out documents
+writes PREFIX_00000.bin/.idx, PREFIX_00001.bin/.idx, ... (a new shard every --shard-size-tokens tokens) and
+PREFIX.manifest.json (the tokenizer and a fingerprint of its vocabulary, the EOD id, the source, each shard's
+documents and tokens; marked complete last: the trainer refuses an unfinished preparation and shards of another
+tokenizer, and --resume goes on from the finished shards of one cut short), then prints the `data.path` to train
+on; with --validation N (a count, or a fraction below 1) the held-out documents
 go to PREFIX-validation.bin/.idx instead, the `validation.data.path`. Each document is one sequence of its tokens, with NO EOS: packing
 (hybridtitan/data/packing.py) appends EOS after every document, for this data and for text tokenized on the
 fly alike. Empty documents are left out. Without --streaming the dataset is downloaded (FineWeb-Edu sample-10BT:
@@ -29,7 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from hybridtitan.data.config import Data  # noqa: E402
 from hybridtitan.data.megatron import MegatronWriter  # noqa: E402
 from hybridtitan.data.sources import load_hf_dataset  # noqa: E402
-from hybridtitan.data.tokenizer import build_tokenizer, encode_batch  # noqa: E402
+from hybridtitan.data import manifest  # noqa: E402
+from hybridtitan.data.tokenizer import build_tokenizer, encode_batch, eos_id, vocabulary_fingerprint  # noqa: E402
 from hybridtitan.cli import fail as _fail  # noqa: E402
 
 BATCH = 1000
@@ -55,6 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--validation", type=_held_out, default=0,
                    help="hold out documents for validation into PREFIX-validation.bin/.idx: a count (the first N) "
                         "or a fraction below 1 (spread evenly over the dataset)")
+    p.add_argument("--resume", action="store_true",
+                   help="go on from an interrupted preparation of the same --output (its manifest says incomplete): "
+                        "its finished shards are kept, the rest written again")
     p.add_argument("--streaming", action="store_true",
                    help="stream the dataset (no full download; tokenizes in this process, with threads)")
     return p.parse_args(argv)
@@ -117,20 +124,55 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.shard_size_tokens < 1:
         fail("--shard-size-tokens must be positive")
+    path = manifest.manifest_path(args.output)
+    try:
+        earlier = manifest.read(path)
+    except ValueError as e:
+        fail(str(e))
     existing = sorted(glob.glob(glob.escape(args.output) + "_[0-9][0-9][0-9][0-9][0-9].*"))
-    if existing:
+    if args.resume and (earlier is None or earlier.get("complete")):
+        fail(f"--resume: {path} is {'complete' if earlier else 'missing'}: nothing to resume")
+    if existing and not args.resume:
         # A stale shard from an earlier run would be picked up by the PREFIX_* glob and mixed into training.
-        fail(f"{existing[0]} already exists: remove the old shards or choose another --output")
+        hint = " (--resume goes on from an interrupted one)" if earlier is not None and not earlier.get("complete") \
+            else ""
+        fail(f"{existing[0]} already exists: remove the old shards or choose another --output{hint}")
     try:
         tok = build_tokenizer(args.tokenizer)
         total, batches = tokenized_batches(args, tok)
     except ValueError as e:
         fail(str(e))
+    source = {"dataset": args.dataset, "name": args.name, "split": args.split, "text_field": args.text_field,
+              "limit_docs": args.limit_docs, "validation": args.validation, "shard_size_tokens": args.shard_size_tokens}
+    record = {"complete": False, "source": source,
+              "tokenizer": {"name": args.tokenizer, "fingerprint": vocabulary_fingerprint(tok), "vocab_size": len(tok),
+                            "eod_id": eos_id(tok)},
+              "shards": [], "validation": None, "documents": 0, "tokens": 0, "empty_documents": 0}
+    done_docs = 0
+    if args.resume:
+        if earlier["source"] != source or earlier["tokenizer"]["fingerprint"] != record["tokenizer"]["fingerprint"]:
+            fail(f"--resume: {path} was started with other options or another tokenizer; start again elsewhere")
+        record["shards"] = earlier["shards"]
+        done_docs = sum(s["documents"] for s in record["shards"])
+        finished = {os.path.join(os.path.dirname(args.output), s["prefix"]) for s in record["shards"]}
+        for f in existing:  # the shard that was being written, and the held-out one, start again
+            if f.rsplit(".", 1)[0] not in finished:
+                os.remove(f)
+        print(f"resuming: {len(finished)} finished shard(s), {done_docs} documents, kept")
+    manifest.write(path, record)
 
     from tqdm import tqdm
 
-    start, shards, docs, empty, tokens = time.time(), [], 0, 0, 0
+    start, docs, empty, tokens = time.time(), 0, 0, 0
     writer, validation, seen = None, None, 0
+    shards = [s["prefix"] for s in record["shards"]]
+    shard_docs = shard_tokens = 0
+
+    def finish(w) -> None:
+        w.finalize()
+        record["shards"].append({"prefix": os.path.basename(w.prefix), "documents": shard_docs, "tokens": shard_tokens})
+        manifest.write(path, record)  # a shard finished: a resume keeps it
+
     with tqdm(total=total, unit="doc", desc="writing", dynamic_ncols=True) as bar:
         for batch in batches:
             for ids in batch:
@@ -143,25 +185,34 @@ def main(argv=None) -> None:
                         validation = MegatronWriter(f"{args.output}-validation", vocab_size=len(tok))
                     validation.add_document(ids)
                     continue
+                docs, tokens = docs + 1, tokens + len(ids)
+                if docs <= done_docs:  # in a shard a resumed preparation keeps
+                    continue
                 if writer is None:
                     writer = MegatronWriter(f"{args.output}_{len(shards):05d}", vocab_size=len(tok))
-                    shards.append(writer.prefix)
+                    shards.append(os.path.basename(writer.prefix))
+                    shard_docs = shard_tokens = 0
                 writer.add_document(ids)
-                docs, tokens = docs + 1, tokens + len(ids)
+                shard_docs, shard_tokens = shard_docs + 1, shard_tokens + len(ids)
                 if writer.num_tokens >= args.shard_size_tokens:
-                    writer.finalize()
+                    finish(writer)
                     writer = None
             bar.update(len(batch))
             bar.set_postfix(tokens=f"{tokens / 1e6:.1f}M", shards=len(shards))
     if writer is not None:
-        writer.finalize()
+        finish(writer)
     if not shards:
         fail("no non-empty documents: nothing written")
-    print(f"{docs} documents, {tokens} tokens ({empty} empty documents left out) in {len(shards)} shard(s), "
-          f"{time.time() - start:.0f} s")
-    print(f'train on them with:  [data] source = "megatron"  path = "{args.output}_*"')
     if validation is not None:
         validation.finalize()
+        record["validation"] = {"prefix": os.path.basename(validation.prefix), "documents": seen - docs,
+                                "tokens": validation.num_tokens}
+    record.update(complete=True, documents=docs, tokens=tokens, empty_documents=empty)
+    manifest.write(path, record)  # last: the preparation is complete
+    print(f"{docs} documents, {tokens} tokens ({empty} empty documents left out) in {len(shards)} shard(s), "
+          f"{time.time() - start:.0f} s; manifest {path}")
+    print(f'train on them with:  [data] source = "megatron"  path = "{args.output}_*"')
+    if validation is not None:
         print(f"{seen - docs} documents held out in {validation.prefix}.bin/.idx; validate on them with:  "
               f'[validation.data] source = "megatron"  path = "{validation.prefix}"')
 

@@ -171,6 +171,34 @@ def test_resume_with_parts_left_out_steps_at_the_schedules_rate(tmp_path, capsys
     assert "train_state restarts the step count at 0" in refused("restart", "--checkpoint.exclude_from_loading",
                                                                   "train_state")
     assert "the checkpoint's data.num_workers is 0, this run's 1" in refused("workers", "--data.num_workers", "1")
+    # another tokenizer (the shipped one with two ids swapped) or other data: refused unless said explicitly
+    other_tok = tmp_path / "other_tokenizer"
+    shutil.copytree(ROOT / "hybridtitan" / "assets" / "tokenizer", other_tok)
+    spec = json.loads((other_tok / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = list(vocab)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other_tok / "tokenizer.json").write_text(json.dumps(spec))
+    assert "was trained with another tokenizer than data.tokenizer" in refused(
+        "tokenizer", "--data.tokenizer", str(other_tok))
+    corpus = ROOT / "hybridtitan" / "assets" / "corpus" / "train.jsonl"
+    fewer = tmp_path / "fewer" / "train.jsonl"
+    fewer.parent.mkdir()
+    fewer.write_text("".join(corpus.read_text().splitlines(keepends=True)[:-1]))
+    assert "reads other data than the run it continues" in refused("data", "--data.path", str(fewer))
+    moved = tmp_path / "moved" / "train.jsonl"  # the same file elsewhere is the same data
+    moved.parent.mkdir()
+    shutil.copy(corpus, moved)
+    from hybridtitan.config import parse_config
+    from hybridtitan.preflight import preflight
+
+    def starts(name: str, *extra: str) -> bool:
+        cfg = parse_config(["--job.config_file", RECIPE, "--job.dump_folder", str(from_step_4(name)), *args, *extra])
+        return preflight(cfg).start is not None
+
+    assert starts("moved", "--data.path", str(moved))
+    assert starts("new_data", "--data.path", str(fewer), "--checkpoint.exclude_from_loading", "dataloader")
+    assert starts("new_tokenizer", "--data.tokenizer", str(other_tok), "--checkpoint.allow_tokenizer_change", "true")
     # a changed data order does not reach a resumed data loader: said, not silent
     _, proc = resumed("reseeded", "--debug.seed", "7", "--data.shuffle", "false")
     log = proc.stdout + proc.stderr

@@ -394,6 +394,112 @@ def test_prepare_data_end_to_end(tmp_path, tok_dir, tok, corpus):
     assert 0.2 * len(expected) <= len(validation) <= 0.3 * len(expected)
 
 
+def test_prepare_data_manifest_and_resume(tmp_path, tok_dir, tok, corpus):
+    """The manifest names the tokenizer, each shard's documents and tokens and the held-out set, and says complete;
+    a preparation cut short after its first shard is refused by the trainer, and --resume ends it with the very
+    files of an uninterrupted one."""
+    import shutil
+
+    from hybridtitan.data import manifest
+    from hybridtitan.data.config import megatron_prefixes
+    from hybridtitan.data.tokenizer import eos_id, vocabulary_fingerprint
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+
+    def prepare(out: Path, *extra: str):
+        return subprocess.run([sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--dataset",
+                               corpus["train"], "--tokenizer", tok_dir, "--output", str(out), "--workers", "1",
+                               "--shard-size-tokens", "500", "--validation", "0.25", *extra],
+                              capture_output=True, text=True, env=env, cwd=tmp_path)
+
+    whole = tmp_path / "whole" / "train"
+    assert prepare(whole).returncode == 0
+    record = manifest.read(f"{whole}.manifest.json")
+    assert record["complete"] and len(record["shards"]) > 2
+    assert record["tokenizer"]["fingerprint"] == vocabulary_fingerprint(tok)
+    assert record["tokenizer"]["eod_id"] == eos_id(tok)
+    for entry in [*record["shards"], record["validation"]]:
+        ds = MegatronDataset(str(whole.parent / entry["prefix"]))
+        assert len(ds) == entry["documents"] and int(ds.sequence_lengths.sum()) == entry["tokens"]
+    assert record["documents"] == sum(e["documents"] for e in record["shards"])
+    assert manifest.check_shards(megatron_prefixes(f"{whole}_*"), vocabulary_fingerprint(tok)) == []
+    # what a kill during the second shard leaves: the manifest of one finished shard, a .bin without its .idx
+    cut = tmp_path / "cut" / "train"
+    cut.parent.mkdir()
+    first = record["shards"][0]["prefix"]
+    for suffix in (".bin", ".idx"):
+        shutil.copy(whole.parent / (first + suffix), cut.parent / (first + suffix))
+    second = record["shards"][1]["prefix"]
+    (cut.parent / f"{second}.bin").write_bytes((whole.parent / f"{second}.bin").read_bytes()[:100])
+    manifest.write(f"{cut}.manifest.json", {k: v for k, v in record.items() if k not in ("format", "version")}
+                   | {"complete": False, "shards": record["shards"][:1], "validation": None})
+    with pytest.raises(ValueError, match=f"{second}.bin has no .idx beside it"):
+        megatron_prefixes(f"{cut}_*")
+    with pytest.raises(ValueError, match="from a preparation that did not finish"):
+        manifest.check_shards([str(cut.parent / first)], None)
+    again = prepare(cut)
+    assert again.returncode == 2 and "--resume goes on from an interrupted one" in again.stderr
+    resumed = prepare(cut, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming: 1 finished shard(s)" in resumed.stdout
+    assert sorted(p.name for p in cut.parent.iterdir()) == sorted(p.name for p in whole.parent.iterdir())
+    for f in whole.parent.glob("*.[bi][id][nx]"):
+        assert (cut.parent / f.name).read_bytes() == f.read_bytes(), f.name
+    assert manifest.read(f"{cut}.manifest.json") == record
+    assert prepare(cut, "--resume").returncode == 2  # complete: nothing to resume
+    # shards of another tokenizer are refused; shards without a manifest (other tools) load with a warning
+    with pytest.raises(ValueError, match="was tokenized with .* not with data.tokenizer"):
+        manifest.check_shards([str(whole.parent / first)], "0123456789abcdef")
+    (whole.parent / "train.manifest.json").unlink()
+    warnings = manifest.check_shards(megatron_prefixes(f"{whole}_*"), vocabulary_fingerprint(tok))
+    assert len(warnings) == 1 and "no manifest of scripts/prepare_data.py" in warnings[0]
+
+
+def test_the_trainer_refuses_data_it_cannot_trust(tmp_path, tok_dir, corpus, capsys):
+    """Before anything is written, one line and exit code 2: a training glob that takes in the validation shards,
+    and shards made with another tokenizer than data.tokenizer; an unquoted glob the shell expanded gets a hint."""
+    import shutil
+
+    from helpers import RECIPE, main_error
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    out = tmp_path / "data" / "corpus"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--dataset", corpus["train"],
+                    "--tokenizer", tok_dir, "--output", str(out), "--workers", "1", "--validation", "0.25"],
+                   check=True, capture_output=True, env=env, cwd=tmp_path)
+    dump = tmp_path / "run"
+    base = ["--job.config_file", RECIPE, "--job.dump_folder", str(dump), "--data.source", "megatron",
+            "--validation.data.source", "megatron", "--validation.data.path", f"{out}-validation"]
+    code, err = main_error(capsys, [*base, "--data.path", f"{out}*", "--data.tokenizer", tok_dir])
+    assert code == 2 and "also takes in the held-out" in err and "\n" not in err, err
+    other = tmp_path / "other_tokenizer"  # the test tokenizer with two ids swapped: same size, other meaning
+    shutil.copytree(tok_dir, other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = list(vocab)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    code, err = main_error(capsys, [*base, "--data.path", f"{out}_*", "--data.tokenizer", str(other)])
+    assert code == 2 and "was tokenized with" in err and "\n" not in err, err
+    assert not dump.exists()
+    # the right data: the start of the run says what it reads, and the epochs the schedule makes of it
+    from hybridtitan.config import ConfigError, parse_config, parse_overrides
+    from hybridtitan.data.manifest import read
+    from hybridtitan.preflight import preflight
+
+    made = read(f"{out}.manifest.json")
+    plan = preflight(parse_config([*base, "--data.path", f"{out}_*", "--data.tokenizer", tok_dir, "--training.steps",
+                                   "10", "--training.seq_len", "64", "--training.global_batch_size", "8",
+                                   "--training.local_batch_size", "8"]))
+    epochs = 10 * 8 * 64 / (made["tokens"] + made["documents"])
+    assert plan.reads == (f"data: 1 file(s), {made['documents']:,} documents, {made['tokens']:,} tokens; the run "
+                          f"reads 5,120 tokens (10 steps x 8 x 64): {epochs:.2f} epochs")
+
+    files = [str(p) for p in sorted(out.parent.glob("corpus_*"))]
+    with pytest.raises(ConfigError, match="an unquoted glob the shell expanded into files"):
+        parse_overrides(["--data.path", *files])
+
+
 def test_prepare_data_bad_input(tmp_path, tok_dir, corpus):
     """Exit code 2 and one line naming this script's options (not the trainer's keys); the underscore spellings
     of the trainer and the other tools are accepted too. The three processes run side by side."""

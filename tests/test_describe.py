@@ -133,3 +133,75 @@ def test_every_recipe_describes(recipe):
     assert d["params_total"] > 0 and d["memory_estimate_gib"]["total"] > 0
     if "upcycle/" in recipe:
         assert "is left out" in d["memory_estimate_gib"]["assumes"]
+
+
+def _launch_commands() -> list[tuple[str, int, list[str]]]:
+    """(where, ranks, trainer arguments) of every torchrun and sbatch line of README.md and docs/ that names a
+    recipe: torchrun's --nproc_per_node x --nnodes, sbatch's --nodes (train.sbatch's 2 by default) x 8 GPUs."""
+    import re
+    import shlex
+
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = re.sub(r"\\\n\s*", " ", path.read_text())  # continued lines joined
+        for n, line in enumerate(text.splitlines(), 1):
+            line = line.split("#")[0].strip().strip("`")
+            if "--job.config_file" not in line and "train.sbatch" not in line:
+                continue
+            words = shlex.split(line)
+            if "torchrun" in words and "hybridtitan.train" in words:
+                opts = dict(zip(words, words[1:]))
+                ranks = int(opts.get("--nproc_per_node", opts.get("--nproc-per-node", 1))) * int(
+                    opts.get("--nnodes", 1))
+                args = words[words.index("hybridtitan.train") + 1:]
+            elif "sbatch" in words and "scripts/slurm/train.sbatch" in words:
+                at = words.index("scripts/slurm/train.sbatch")
+                opts = dict(zip(words[:at], words[1:at]))
+                ranks = int(opts.get("--nodes", 2)) * 8
+                args = ["--job.config_file", *words[at + 1:]]
+            else:
+                continue
+            if "--job.config_file" in args and "RECIPE" not in " ".join(args) and "PATH" not in " ".join(args):
+                found.append((f"{path.name}:{n}", ranks, args))
+    return found
+
+
+def test_every_launch_line_of_the_docs_plans_for_its_gpus():
+    """Each torchrun or sbatch line of the README and the docs that names a recipe and a number of GPUs has batch
+    arithmetic that holds on them (the global batch divides into local batches of every rank): a line that fails
+    after the queue wait, as Slurm's used to, cannot be published."""
+    from hybridtitan.config import parse_config
+    from hybridtitan.describe import batch_plan
+
+    commands = _launch_commands()
+    assert any(where.startswith("README.md") and ranks == 32 for where, ranks, _ in commands), commands
+    for where, ranks, args in commands:
+        cfg = parse_config(args, check_data=False)
+        plan = batch_plan(cfg, ranks)
+        assert plan["ok"], (where, ranks, plan)
+
+
+def test_plan_for_gpus_and_check(capsys):
+    """describe --nodes / --world-size plans the run: the layout, the arithmetic and the local batch that would
+    work; --check exits with code 2 where the plan does not hold (train.sbatch runs it before any rank)."""
+    from hybridtitan.describe import main
+
+    recipe = str(ROOT / "train_configs" / "zebra_llama_3B.toml")
+    MOCK = ["--data.source", "mock", "--validation.enable", "false"]
+    with pytest.raises(SystemExit) as exc:
+        main(["--job.config_file", recipe, "--nodes", "4", "--check", *MOCK])
+    out = capsys.readouterr()
+    assert exc.value.code == 2 and "the plan for 32 GPUs does not hold" in out.err
+    assert "plan for 32 GPUs (4 nodes x 8): data parallel replicate 1 x shard 32" in out.out
+    assert "use --training.local_batch_size 1 (gradient accumulation 1)" in out.out
+    assert "memory estimate per device, local batch 1 x 8192" in out.out  # at the batch that would run, 32 shards
+    main(["--job.config_file", recipe, "--nodes", "4", "--check", *MOCK, "--training.local_batch_size", "1"])
+    assert "local batch 1, gradient accumulation 1: OK" in capsys.readouterr().out
+    main(["--job.config_file", recipe, "--world-size", "4", *MOCK])
+    assert "local batch 4, gradient accumulation 2: OK" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--job.config_file", recipe, "--world-size", "64", "--check", *MOCK])
+    assert "the global batch is smaller than the 64 data-parallel ranks" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # the data, as the trainer checks it
+        main(["--job.config_file", recipe, "--world-size", "8", "--check"])
+    assert "data: data.path: no Megatron .idx file matches" in capsys.readouterr().out

@@ -1,5 +1,6 @@
-"""The docs' commands run as written: every fenced shell block of README.md and docs/getting-started.md, in order,
-in one shell per page, in a copy of the repository (its .venv linked in), with fewer training steps."""
+"""The docs' commands run as written: every fenced shell block of README.md, docs/getting-started.md and
+docs/data.md, in order, in one shell per page, in a copy of the repository (its .venv linked in), with fewer
+training steps."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def checkout(tmp_path) -> Path:
     return copy
 
 
-@pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md"])
+@pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md", "docs/data.md"])
 def test_shell_blocks_run(checkout, page):
     blocks = shell_blocks(REPO / page)
     assert blocks, f"{page} has no shell block"
@@ -61,6 +62,10 @@ def test_shell_blocks_run(checkout, page):
     if page == "README.md":
         assert (checkout / "outputs" / "quickstart" / "curves.png").is_file()
         assert "tests/test_train.py: " in proc.stdout, proc.stdout[-2000:]  # the suite collected
+    elif page == "docs/data.md":  # shards prepared, planned, trained on, and the run said what it read
+        assert (checkout / "outputs" / "data" / "corpus.manifest.json").is_file()
+        assert "local batch 4, gradient accumulation 1: OK" in proc.stdout, proc.stdout[-2000:]
+        assert "tokens; the run reads" in proc.stdout + proc.stderr
     else:
         assert (checkout / "outputs" / "first-hf" / "config.json").is_file()
         assert "resumed from" in proc.stdout and "error: unknown option --training.stpes" in proc.stderr

@@ -24,8 +24,12 @@ def test_debug_recipe_trains_validates_and_evaluates(tmp_path):
     logged at the checkpoints of steps 100 and 200 is what python -m hybridtitan.eval gives on them (each rank
     scored half of the requests)."""
     dump = tmp_path / "run"
-    run_train(dump, "--training.seq_len", "128", "--training.local_batch_size", "2", "--training.global_batch_size",
-              "4", "--eval.tasks", "stdlib_mc", "--eval.include_path", "tests/assets/tasks", timeout=1800)
+    proc = run_train(dump, "--training.seq_len", "128", "--training.local_batch_size", "2",
+                     "--training.global_batch_size", "4", "--eval.tasks", "stdlib_mc", "--eval.include_path",
+                     "tests/assets/tasks", timeout=1800)
+    documents = len((ROOT / "hybridtitan" / "assets" / "corpus" / "train.jsonl").read_text().splitlines())
+    assert (f"data: 1 file(s), {documents:,} documents (tokenized as they are read); the run reads 102,400 tokens"
+            in proc.stdout + proc.stderr)
     loss = losses(dump)
     assert min(loss) == 1 and max(loss) == 200
     assert loss[200] < 0.75 * loss[1], (loss[1], loss[200])

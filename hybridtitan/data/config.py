@@ -113,11 +113,17 @@ def local_data_files(path: str) -> list[str]:
 def megatron_prefixes(path: str) -> list[str]:
     """Expand `data.path` for the megatron source into path prefixes: comma-separated, each a prefix or a glob
     matched against the .idx files. Raises ValueError naming the first prefix that has no .bin/.idx pair."""
+    from .manifest import bins_without_index
+
     prefixes = []
     for item in (p.strip() for p in path.split(",")):
         if not item:
             continue
         item = os.path.expanduser(resolve_path(item))
+        lonely = bins_without_index(item)
+        if lonely:
+            raise ValueError(f"data.path: {lonely[0]} has no .idx beside it (an interrupted preparation?): finish it "
+                             "(scripts/prepare_data.py --resume) or remove the file")
         if item.endswith((".bin", ".idx")):
             item = item[:-4]
         if any(c in item for c in GLOB_CHARS):

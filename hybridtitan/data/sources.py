@@ -306,3 +306,17 @@ def build_documents(cfg: Data, tokenizer, *, shard: int, num_shards: int, seed: 
     else:
         raise ValueError(f"data.source must be one of hf, megatron, mock (got {cfg.source!r})")
     return ShardedDocuments(source, shard=shard, num_shards=num_shards, seed=seed, shuffle=cfg.shuffle)
+
+
+def summarize(cfg: Data) -> dict | None:
+    """What a [data] section holds: {"files", "documents", "tokens"} (tokens None where the text is tokenized as it
+    is read); None for mock data or a streamed dataset (no length)."""
+    if cfg.source == "megatron":
+        files = [MegatronDataset(p) for p in megatron_prefixes(cfg.path)]
+        return {"files": len(files), "documents": sum(len(f) for f in files),
+                "tokens": int(sum(int(f.sequence_lengths.sum(dtype=np.int64)) for f in files))}
+    if cfg.source == "hf" and not cfg.streaming:
+        local = looks_local(cfg.path) and not os.path.isdir(resolve_path(cfg.path))
+        return {"files": len(local_data_files(cfg.path)) if local else None, "documents": len(load_hf_dataset(cfg)),
+                "tokens": None}
+    return None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 
 from .config import looks_local, resolve_path
@@ -54,3 +56,11 @@ def encode_batch(tok, texts: list[str]) -> list[list[int]]:
     if not texts:
         return []
     return tok(texts, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+
+
+def vocabulary_fingerprint(tokenizer) -> str:
+    """A short hash of a tokenizer's token -> id map and special tokens: equal for tokenizers that encode alike (a
+    data manifest's, a checkpoint's and a distillation teacher's are compared with data.tokenizer's)."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    special = {k: v for k, v in sorted(tokenizer.special_tokens_map.items()) if isinstance(v, str)}
+    return hashlib.sha256(json.dumps([vocab, special], ensure_ascii=False).encode()).hexdigest()[:16]
