@@ -202,7 +202,8 @@ def batch_plan(cfg, world_size: int) -> dict:
 
 def plan_lines(cfg, plan: dict, nodes: int | None, data_problem: str | None) -> tuple[list[str], bool]:
     """What describe --world-size says of a plan, and whether it holds."""
-    where = f"{plan['world_size']} GPUs" + (f" ({nodes} nodes x {plan['world_size'] // nodes})" if nodes else "")
+    where = f"{plan['world_size']} GPUs" + (f" ({nodes} node{'s' if nodes > 1 else ''} x {plan['world_size'] // nodes})"
+                                                if nodes else "")
     if "replicate" not in plan:
         return [f"plan for {where}: {plan['problem']}"], False
     lines = [f"plan for {where}: data parallel replicate {plan['replicate']} x shard {plan['shard']}, global batch "

@@ -2,7 +2,8 @@
 schedule; the update and the clipping work on each rank's shards of FSDP's parameters.
 
 Norm gains, biases, A_log, dt_bias and D (every parameter with fewer than two dimensions) take no weight
-decay, as in Megatron/Primus and FLA. The schedule is torchtitan's: linear warm-up, then linear, sqrt or
+decay, as in FLA and in Megatron, which decides by the stored shape: Primus stores KDA's A_log as (1, 1, H, 1)
+and so decays it, where this and FLA do not. The schedule is torchtitan's: linear warm-up, then linear, sqrt or
 cosine decay to ``lr * min_lr_factor``; ``decay_ratio`` turns it into warm-up-stable-decay.
 """
 

@@ -43,6 +43,7 @@ class Mamba2Args:
     expand: int = 2  # inner width = expand x dim
     conv_size: int = 4  # short causal convolution's kernel size
     xb_heads: int = 0  # x and B projected for this many heads, each shared by a group of heads (0: for every head)
+    norm_eps: float = 1e-5  # the gated output norm's epsilon: Megatron's MambaMixer fixes 1e-5, as mamba_ssm and FLA
 
 
 @dataclass

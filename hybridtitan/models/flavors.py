@@ -11,10 +11,12 @@ import dataclasses
 from .args import GDNArgs, GQAArgs, KDAArgs, Mamba2Args, MLAArgs, ModelArgs
 
 HYBRID_300M = "*-M-M-M-*-M-M-M-*-M-M-M-"
+# YaRN's original context and mscale_all_dim as Primus's runs set them (8,192 for the 1B-8B, 2,048 for the 300M
+# hybrids; 1.0): at rope_scaling_factor 1 YaRN is plain RoPE whatever they are, and an export carries them
 MLA_300M = MLAArgs(num_heads=16, q_lora_rank=672, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32,
-                   v_head_dim=64)
+                   v_head_dim=64, original_max_position_embeddings=2048, mscale_all_dim=1.0)
 MLA_1B = MLAArgs(num_heads=32, q_lora_rank=1344, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=32,
-                 v_head_dim=64)
+                 v_head_dim=64, original_max_position_embeddings=8192, mscale_all_dim=1.0)
 
 
 def llama(layers: int, dim: int, ffn_dim: int, heads: int, head_dim: int, rope_factor: float, tied: bool,
@@ -107,20 +109,27 @@ def _flavors() -> dict[str, ModelArgs]:
                                        mamba2=Mamba2Args(d_state=64, head_dim=64, n_groups=8, expand=2), mla=MLA_300M),
         "gdn_1B": ModelArgs(**base_1b, mixer="gdn", gdn=GDNArgs(8, 16, 64, 64)),
         "kda_1B": ModelArgs(**base_1b, mixer="kda", kda=KDAArgs(16, 32, 64)),
-        "zebra_llama_1B": ModelArgs(**base_1b, hybrid_attention_ratio=0.25, mixer="mamba2",
+        # norm eps 1e-5: what Primus's runs of these use (Megatron's layernorm_epsilon default; the presets'
+        # norm_epsilon is not a Megatron key), and Llama 3's
+        "zebra_llama_1B": ModelArgs(**base_1b, hybrid_attention_ratio=0.25, mixer="mamba2", norm_eps=1e-5,
                                     mamba2=Mamba2Args(d_state=64, head_dim=64, n_groups=8, expand=1), mla=MLA_1B),
         "zebra_kda_1B": ModelArgs(**base_1b, hybrid_attention_ratio=0.25, mixer="kda", kda=KDAArgs(16, 32, 64),
-                                  mla=MLA_1B),
+                                  mla=MLA_1B, norm_eps=1e-5),
         "zebra_llama_3B": ModelArgs(
             vocab_size=128256, dim=3072, n_layers=56, ffn_dim=8192, hybrid_attention_ratio=0.25, mixer="mamba2",
-            mamba2=Mamba2Args(d_state=128, head_dim=128, n_groups=8, expand=1),
+            norm_eps=1e-5, mamba2=Mamba2Args(d_state=128, head_dim=128, n_groups=8, expand=1),
             mla=MLAArgs(num_heads=24, q_lora_rank=1536, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64,
-                        v_head_dim=128)),
+                        v_head_dim=128, original_max_position_embeddings=8192, mscale_all_dim=1.0)),
         "zebra_llama_8B": ModelArgs(
             vocab_size=128256, dim=4096, n_layers=64, ffn_dim=14436, hybrid_attention_ratio=0.25, mixer="mamba2",
-            mamba2=Mamba2Args(d_state=128, head_dim=128, n_groups=8, expand=1),
+            norm_eps=1e-5, mamba2=Mamba2Args(d_state=128, head_dim=128, n_groups=8, expand=1),
             mla=MLAArgs(num_heads=32, q_lora_rank=2048, kv_lora_rank=160, qk_nope_head_dim=64, qk_rope_head_dim=64,
-                        v_head_dim=128)),
+                        v_head_dim=128, original_max_position_embeddings=8192, mscale_all_dim=1.0)),
+        # Primus's mamba_370M: 48 Mamba2 sublayers, no MLP or attention, GPT-NeoX-20B's vocabulary padded to 50,304;
+        # ffn_dim is unused
+        "mamba_370M": ModelArgs(vocab_size=50304, dim=1024, n_layers=48, ffn_dim=4096, pattern="M" * 48,
+                                mixer="mamba2", norm_eps=1e-5,
+                                mamba2=Mamba2Args(d_state=16, head_dim=64, n_groups=8, expand=2)),
         # Llama 3 shapes (meta-llama/Llama-3.2-1B, Llama-3.2-3B, Llama-3.1-8B): teachers, baselines, upcycling sources
         "llama_1B": llama_1b,
         "llama_3B": llama_3b,

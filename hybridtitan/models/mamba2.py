@@ -44,7 +44,7 @@ class Mamba2(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.num_heads))
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
         self.D = nn.Parameter(torch.ones(self.num_heads))
-        self.norm = GatedRMSNorm(self.d_inner, eps=norm_eps, activation="swish", norm_before_gate=False,
+        self.norm = GatedRMSNorm(self.d_inner, eps=args.norm_eps, activation="swish", norm_before_gate=False,
                                  group_size=self.d_inner // args.n_groups, kernels=kernels)
         self.out_proj = nn.Linear(self.d_inner, dim, bias=False)
 
