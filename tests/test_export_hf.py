@@ -207,6 +207,40 @@ def test_trust_remote_code_folder_saved_again_still_loads(trained, exports, tmp_
         torch.testing.assert_close(torch.load(tmp_path / name), expected, atol=1e-5, rtol=0)
 
 
+def test_a_kernel_failure_is_one_line_saying_what_to_install(exports, tmp_path, monkeypatch):
+    """An error raised inside Triton's or FLA's code (here a stand-in module under a folder named triton) reaches
+    the user as one line naming the versions and what to install; any other error passes unchanged."""
+    import importlib.util
+
+    from hybridtitan.hf.modeling import HybridTitanForCausalLM
+
+    model = HybridTitanForCausalLM.from_pretrained(str(exports["debug_hybrid", "hybridtitan"])).eval()
+    fake = tmp_path / "triton" / "compiler.py"
+    fake.parent.mkdir()
+    fake.write_text("def compile(*args, **kwargs):\n    raise RuntimeError('PassManager::run failed\\nmore')\n")
+    spec = importlib.util.spec_from_file_location("fake_triton_compiler", fake)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(model.model, "hidden_states", module.compile)
+    model.uses_fla_kernels = True
+    with pytest.raises(RuntimeError) as e:
+        model(input_ids=tokens((1, 8)))
+    message = str(e.value)
+    assert "\n" not in message and "PassManager::run failed" in message and "pip install -U 'triton>=3.7.1'" in message
+    assert "use_fla_kernels=False" in message and e.value.__cause__ is None
+    model.uses_fla_kernels = False  # the PyTorch forms: an error is not a kernel's
+    with pytest.raises(RuntimeError, match="^PassManager::run failed"):
+        model(input_ids=tokens((1, 8)))
+
+    def our_bug(*args, **kwargs):
+        raise ValueError("a bug of ours")
+
+    model.uses_fla_kernels = True
+    monkeypatch.setattr(model.model, "hidden_states", our_bug)
+    with pytest.raises(ValueError, match="a bug of ours"):
+        model(input_ids=tokens((1, 8)))
+
+
 def test_cache_is_a_transformers_cache(exports):
     from transformers.cache_utils import Cache
 

@@ -51,6 +51,16 @@ def test_gpu_check_dry_run(tmp_path):
     assert all(r["status"] == "PASS" for r in e2e)
 
 
+def test_export_check_dry_run(tmp_path):
+    """The exports' GPU check on a CPU (both sides the PyTorch forms): an export made, loaded through transformers,
+    its logits, greedy decoding of a left-padded batch and bfloat16 checked."""
+    out = tmp_path / "export_check.json"
+    proc = _run(["gpu_harness/export_check.py", "--device", "cpu", "--flavors", "debug_hybrid", "--json", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert [(r["case"], r["ok"]) for r in results] == [("logits", True), ("greedy", True), ("bf16", True)]
+
+
 def test_bench_dry_run_variants(tmp_path):
     out = tmp_path / "bench.json"
     proc = _run(["gpu_harness/bench_throughput.py", "--device", "cpu", "--tiny", "--models", "gdn_300M",

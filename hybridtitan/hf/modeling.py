@@ -8,9 +8,12 @@ new token costs one step instead of a pass over the prefix.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
+import os
+import traceback
 
 import torch
 import torch.nn as nn
@@ -154,6 +157,7 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
         # the GPU kernels where FLA imports (and the config allows them); the PyTorch forms everywhere else
         fla = getattr(config, "use_fla_kernels", True) and fla_available()
         self.model = HybridLM(config.to_model_args(), Kernels(KernelConfig(reference=not fla)))
+        self.uses_fla_kernels = fla
         self.post_init()
 
     @classmethod
@@ -260,13 +264,14 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
             output_hidden_states = self.config.output_hidden_states
         # as transformers' models: the embeddings' output, each sublayer's input after it, the final-normed states
         collected = [] if output_hidden_states else None
-        if _left_padded(attention_mask) and not (cache is not None and cache.seen_tokens):
-            # prompts of other lengths: each row alone, no pad in any state; a cache then holds the rows stacked
-            h = self._rows_alone(input_ids, attention_mask, cache, collected)
-        else:
-            _check_mask(attention_mask, with_cache=cache is not None)
-            h = self.model.hidden_states(input_ids, cache=cache.inner if cache is not None else None,
-                                         collect=collected)
+        with _kernel_failures(self.uses_fla_kernels):
+            if _left_padded(attention_mask) and not (cache is not None and cache.seen_tokens):
+                # prompts of other lengths: each row alone, no pad in any state; a cache then holds the rows stacked
+                h = self._rows_alone(input_ids, attention_mask, cache, collected)
+            else:
+                _check_mask(attention_mask, with_cache=cache is not None)
+                h = self.model.hidden_states(input_ids, cache=cache.inner if cache is not None else None,
+                                             collect=collected)
         all_hidden = tuple(collected) if collected is not None else None
         if cache is not None:
             cache.seen_tokens += input_ids.shape[1]
@@ -292,6 +297,33 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
             out = (logits, *(x for x in (cache, all_hidden) if x is not None))
             return (loss, *out) if loss is not None else out
         return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=all_hidden, **{_CACHE_FIELD: cache})
+
+
+@contextlib.contextmanager
+def _kernel_failures(on_fla: bool):
+    """A failure inside FLA's or Triton's code (a kernel that does not compile, or that FLA refuses under this
+    Triton) as one line saying what to install, instead of a compiler's traceback."""
+    try:
+        yield
+    except Exception as e:
+        where = [f.filename for f in traceback.extract_tb(e.__traceback__)]
+        if not on_fla or not any(f"{os.sep}{pkg}{os.sep}" in name for name in where for pkg in ("triton", "fla")):
+            raise
+        raise RuntimeError(kernel_failure_message(e)) from None
+
+
+def kernel_failure_message(e: Exception) -> str:
+    def version(module: str) -> str:
+        try:
+            return __import__(module).__version__
+        except Exception:  # noqa: BLE001 - a version is only shown
+            return "?"
+
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    return (f"FLA's GPU kernels failed ({type(e).__name__}: {first}) under torch {torch.__version__}, triton "
+            f"{version('triton')}, flash-linear-attention {version('fla')}: pip install -U 'triton>=3.7.1' "
+            "'flash-linear-attention>=0.6.0' (a pair checked on an H100/H200), or load the model with "
+            "use_fla_kernels=False to run the PyTorch forms")
 
 
 def _left_padded(attention_mask: torch.Tensor | None) -> bool:
