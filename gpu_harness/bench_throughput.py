@@ -49,6 +49,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)  # common.py, beside this script
 
 import torch  # noqa: E402
+
 from common import (  # noqa: E402
     DATASHEET_FLOPS,
     Timer,
@@ -265,7 +266,7 @@ def run_case(args, mesh, device, name: str, impl: str, batch: int, info: dict) -
            "flops_per_token": flops_per_token(margs, args.seq)["total"],
            "build_s": time.perf_counter() - t_build}
     if impl in OURS:
-        from hybridtitan.config import Training
+        from hybridtitan.job_config import Training
 
         row["loss_chunk"] = args.loss_chunk or Training.loss_chunk_size
     if impl not in OURS and not on_gpu:
@@ -526,7 +527,7 @@ def ce_bench(args, device) -> list[dict]:
         try:
             free_memory(device)
 
-            def run():
+            def run(fn=fn):
                 h = hidden.detach().clone().requires_grad_()
                 w = weight.detach().clone().requires_grad_()
                 loss = fn(h, w)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import importlib.util
 import math
 import os
@@ -56,6 +57,7 @@ if HERE not in sys.path:
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
 from common import (  # noqa: E402
     REPO,
     build_with_kernels,
@@ -71,7 +73,6 @@ from common import (  # noqa: E402
     versions,
     write_json,
 )
-
 from hybridtitan.models import get_flavor  # noqa: E402
 from hybridtitan.models.common import init_dt_bias, init_log_uniform_A  # noqa: E402
 from hybridtitan.ops import KernelConfig, Kernels  # noqa: E402
@@ -525,9 +526,9 @@ def check_graphs(res: Results, args, device) -> None:
             first, second = (make(torch.Generator().manual_seed(args.seed + n + i))[0] for i in (0, 1))
             site = torch.nn.Module()
             fn = GRAPHED_OPS[op]
-            _output_and_grads(lambda **t: fn(graphs, site, **t), first, 1)  # captures
-            graphed = _output_and_grads(lambda **t: fn(graphs, site, **t), second, 2)
-            eager = _output_and_grads(lambda **t: fn(eager_kernels, None, **t), second, 2)
+            _output_and_grads(functools.partial(fn, graphs, site), first, 1)  # captures
+            graphed = _output_and_grads(functools.partial(fn, graphs, site), second, 2)
+            eager = _output_and_grads(functools.partial(fn, eager_kernels, None), second, 2)
             pairs = {"out": (graphed[0], eager[0]), **{f"d{k}": (graphed[1][k], eager[1][k]) for k in eager[1]}}
             res.add(_graph_row(op, "captured on one input, replayed on another", pairs, t0))
         except Exception as e:  # noqa: BLE001

@@ -122,7 +122,6 @@ def _plan(args: tuple) -> tuple[int, list[dict] | str]:
 
 def _compile(task: dict) -> dict:
     import triton
-
     from triton_recorder import compile_args, decode_value, str_to_path
 
     info = _STATE["info"]

@@ -11,8 +11,8 @@ overridden (``training.seq_len=8192``; a value may hold commas: ``compile.compon
 the trainer itself, torchrun --standalone --nproc_per_node 1 (or plain python), on one GPU, with --data.source
 mock (no data work: the step alone; a case may name another source and its keys), --steps steps logged at the
 recipe's metrics.log_freq (or --log-freq), no checkpoints, no TensorBoard, and one micro-batch per step (the
-global batch is the local one, unless the case sets training.global_batch_size). Everything else is the recipe's: kernels, torch.compile, activation
-checkpointing, precision.
+global batch is the local one, unless the case sets training.global_batch_size). Everything else is the recipe's:
+kernels, torch.compile, activation checkpointing, precision.
 
 From DUMP/metrics.jsonl, over the log windows after --warmup (compilation and autotuning come first): the median
 tokens/s per device and step time, the peak memory (allocated and reserved), the MFU the trainer logs (against
@@ -53,7 +53,8 @@ from common import format_table, write_json  # noqa: E402
 
 # --device cpu: the debug flavor of the same kind stands in for each model
 TINY_FLAVOR = {"llama_1B": "debug_llama", "llama_8B": "debug_llama", "zebra_llama_1B_upcycled": "debug_llama_upcycled",
-               "hylo_1B_upcycled": "debug_llama_upcycled", "gdn_300M": "debug_gdn", "gdn_1B": "debug_gdn", "kda_300M": "debug_kda", "kda_1B": "debug_kda",
+               "hylo_1B_upcycled": "debug_llama_upcycled", "gdn_300M": "debug_gdn", "gdn_1B": "debug_gdn",
+               "kda_300M": "debug_kda", "kda_1B": "debug_kda",
                "zebra_gdn_300M": "debug_hybrid", "zebra_kda_1B": "debug_kda", "zebra_mamba2_300M": "debug_mamba2",
                "zebra_llama_1B": "debug_mamba2", "zebra_llama_3B": "debug_mamba2", "zebra_llama_8B": "debug_mamba2"}
 CPU_SETTINGS = {"training.seq_len": "128", "compile.enable": "false"}

@@ -49,7 +49,8 @@ import os
 import re
 import sys
 import tempfile
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import triton
 from triton import knobs

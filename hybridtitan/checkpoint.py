@@ -14,7 +14,6 @@ data-parallel size every rank restarts its loader from the saved rank-0 position
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -37,8 +36,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
-from hybridtitan.errors import first_error_line
+from hybridtitan.errors import CheckpointError, first_error_line
 from hybridtitan.models import HybridLM, ModelArgs, build_model
 from hybridtitan.models.args import model_args_from_dict, model_args_to_dict
 
@@ -47,10 +47,6 @@ logger = logging.getLogger("hybridtitan")
 STEP_RE = re.compile(r"^step-(\d+)$")
 MODEL_ARGS_FILE = "model_args.json"
 JOB_CONFIG_FILE = "job_config.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder that cannot be used: reported as one line."""
 
 
 # ------------------------------------------------------------------------------------------------ reading
@@ -128,6 +124,34 @@ def load_model_args(step_dir: str) -> ModelArgs:
         raise CheckpointError(f"cannot read {path}: {e}") from None
 
 
+def read_dcp_model_state(step_dir: str, args: ModelArgs) -> dict[str, torch.Tensor]:
+    """The model tensors of a DCP step folder, under HybridLM's names, in their stored dtype, read straight from
+    the folder (no model is built). CheckpointError if the folder lacks a tensor or disagrees with model_args."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = dcp.FileSystemReader(step_dir).read_metadata()
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 -- a partial or foreign folder: one line
+        raise CheckpointError(f"cannot read the checkpoint metadata of {step_dir}: {first_error_line(e)}") from None
+    stored = {k[len("model."):]: v for k, v in metadata.state_dict_metadata.items()
+              if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    expected = {k: tuple(v.shape) for k, v in build_model(args, "meta").state_dict().items()}
+    missing = sorted(set(expected) - set(stored))
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise CheckpointError(f"{step_dir} lacks model tensor {missing[0]}{more} that its model_args.json implies")
+    for key, shape in expected.items():
+        if tuple(stored[key].size) != shape:
+            raise CheckpointError(f"{step_dir}: tensor {key} has shape {tuple(stored[key].size)}, but model_args.json "
+                                  f"implies {shape}")
+    state = {k: torch.empty(tuple(stored[k].size), dtype=stored[k].properties.dtype) for k in expected}
+    try:
+        dcp.load({"model": state}, checkpoint_id=step_dir, no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 -- CheckpointException is a BaseException
+        raise CheckpointError(f"cannot read the model from {step_dir}: {first_error_line(e)}") from None
+    return state
+
+
 def load_model(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                step: int | None = None) -> tuple[HybridLM, str]:
     """The model of a checkpoint, in one process (no process group needed); returns it and the step folder."""
@@ -135,12 +159,7 @@ def load_model(path: str, device: str | torch.device = "cpu", dtype: torch.dtype
     args = load_model_args(step_dir)
     model = build_model(args, "meta")
     model.to_empty(device=device)
-    state = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
-    try:
-        dcp.load({"model": state}, checkpoint_id=step_dir, no_dist=True)
-    except (Exception, CheckpointException) as e:  # a damaged or foreign folder: name it in one line
-        raise CheckpointError(f"cannot read the model from {step_dir}: {first_error_line(e, with_type=True)}") from None
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(read_dcp_model_state(step_dir, args), strict=True)
     return model.to(dtype), step_dir
 
 
@@ -159,12 +178,28 @@ def save_model_checkpoint(model: HybridLM, step_dir: str, dtype: torch.dtype = t
 # ------------------------------------------------------------------------------------------------ training
 
 
+def _plain(value: Any) -> Any:
+    """The plain tensor a wrapper subclass holds: float8 training's all-gather wraps the local shard of each
+    converted weight (torchao's WeightWithDynamicFloat8CastTensor), and the optimizer's moments of that weight
+    follow it. Saved as they are, they would pickle torchao's classes into the checkpoint, which then loads only
+    with torchao and never with weights_only. The plain tensor shares the wrapper's storage, so a load into it
+    fills the wrapped weight."""
+    local = value._local_tensor if isinstance(value, DTensor) else value
+    if not isinstance(local, torch.Tensor) or type(local) in (torch.Tensor, torch.nn.Parameter):
+        return value
+    inner = getattr(local, local.__tensor_flatten__()[0][0])
+    if isinstance(value, DTensor):
+        return DTensor.from_local(inner, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                                  stride=value.stride())
+    return inner
+
+
 class _ModelState(Stateful):
     def __init__(self, model):
         self.model = model
 
     def state_dict(self):
-        return get_model_state_dict(self.model)
+        return {key: _plain(value) for key, value in get_model_state_dict(self.model).items()}
 
     def load_state_dict(self, sd):
         set_model_state_dict(self.model, sd, options=StateDictOptions(strict=True))
@@ -175,8 +210,9 @@ class _OptimizerState(Stateful):
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self):
-        return get_optimizer_state_dict(self.model, self.optimizer,
-                                        options=StateDictOptions(flatten_optimizer_state_dict=True))
+        state = get_optimizer_state_dict(self.model, self.optimizer,
+                                         options=StateDictOptions(flatten_optimizer_state_dict=True))
+        return {key: _plain(value) for key, value in state.items()}
 
     def load_state_dict(self, sd):
         set_optimizer_state_dict(self.model, self.optimizer, sd,

@@ -2,20 +2,37 @@
 
     python -m hybridtitan.export_hf | import_hf | eval | generate | plot     (and scripts/prepare_data.py)
 
-A bad argument, a missing folder or a checkpoint that does not fit is one ``error: ...`` line, never a traceback.
+A bad argument, a missing folder or a checkpoint that does not fit is one ``error: ...`` line, never a traceback:
+the tools raise the errors of hybridtitan.errors (UserError) and their mains run inside ``one_line_errors``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from typing import NoReturn
 
+from hybridtitan.errors import UserError, first_error_line
+
 
 def fail(message: str) -> NoReturn:
-    """The tool's answer to bad input: one line on stderr, exit code 2."""
-    print(f"error: {message}", file=sys.stderr)
+    """The tool's answer to bad input: one line on stderr, exit code 2. Under torchrun every rank meets the same
+    fault: rank 0 says it, and every rank exits with the same code."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+@contextlib.contextmanager
+def one_line_errors(*also: type[BaseException]):
+    """A UserError (or an error of the types in ``also``: the ValueError a data check raises, say) raised inside
+    ends the command with ``fail`` of its first line."""
+    try:
+        yield
+    except (UserError, *also) as e:
+        fail(first_error_line(e))
 
 
 class OneLineParser(argparse.ArgumentParser):

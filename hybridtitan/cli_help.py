@@ -1,9 +1,8 @@
 """The keys hybridtitan reads, with their defaults and meaning: ``--help`` for the trainer and ``describe``, and
 docs/config-reference.md (``python -m hybridtitan.describe --config-reference``).
 
-torchtitan's JobConfig has some 200 keys, most of them options that hybridtitan refuses; these pages list only
-the supported keys. Each description is the docstring (or trailing comment) of the field in the dataclass that
-defines it, or the text below where hybridtitan's behaviour differs from torchtitan's.
+Each description is the docstring (or trailing comment) of the field in hybridtitan.job_config, or the text below
+where hybridtitan accepts less than the field's type admits (a torchtitan key's type, kept as torchtitan has it).
 """
 
 import ast
@@ -13,7 +12,8 @@ import typing
 from dataclasses import fields, is_dataclass
 from typing import Literal
 
-# Where hybridtitan accepts less than the torchtitan field's type admits, or does something else with it.
+# Where hybridtitan accepts less than the field's type admits (torchtitan's type, kept), or does something else
+# with the key than torchtitan's description says.
 OVERRIDES = {
     "activation_checkpoint.mode": ("none, selective or full",
                                    "none; selective: every N-th sublayer (N = selective_ac_option); full: every "
@@ -98,47 +98,43 @@ def _type_text(tp) -> str:
     return "true or false" if tp is bool else getattr(tp, "__name__", str(tp))
 
 
-def _entries(job_config_cls, titan_cls, extension_cls, supported: dict[str, set[str]]):
+def _entries(job_config_cls):
     """(section, [(key, type text, default, description)]) in the JobConfig's order."""
-    job_defaults, titan_defaults, extension = job_config_cls(), titan_cls(), extension_cls()
+    defaults = job_config_cls()
     for section_field in fields(job_config_cls):
         section = section_field.name
-        ours = getattr(extension, section, None)
-        our_cls = type(ours) if ours is not None else None
-        titan_section_cls = type(getattr(titan_defaults, section, None))
-        our_docs = _field_docs(our_cls) if our_cls else {}
-        titan_docs = _field_docs(titan_section_cls) if is_dataclass(titan_section_cls) else {}
-        our_names = {f.name for f in fields(our_cls)} if our_cls else set()
-        merged_cls = type(getattr(job_defaults, section))
-        hints = typing.get_type_hints(merged_cls)
+        section_cls = type(getattr(defaults, section))
+        docs = _field_docs(section_cls)
+        hints = typing.get_type_hints(section_cls)
         rows = []
-        for f in fields(merged_cls):
+        for f in fields(section_cls):
             key = f"{section}.{f.name}"
-            if f.name in our_names:
-                doc = our_docs.get(f.name, "")
-            elif f.name in supported.get(section, ()):
-                doc = titan_docs.get(f.name, "")
-            else:
-                continue
             tp = hints[f.name]
             if section == "model" and f.name in MODEL_SUBSECTIONS:
                 rows += _model_subsection(f.name, tp)
                 continue
             if is_dataclass(tp):  # a subsection of its own, e.g. [validation.data]
-                rows += _subsection(key, tp, getattr(getattr(job_defaults, section), f.name))
+                rows += _subsection(key, tp, getattr(getattr(defaults, section), f.name))
                 continue
             type_text, override = OVERRIDES.get(key, (None, None))
-            rows.append((key, type_text or _type_text(tp), getattr(getattr(job_defaults, section), f.name),
-                         override or doc))
+            rows.append((key, type_text or _type_text(tp), getattr(getattr(defaults, section), f.name),
+                         override or docs.get(f.name, "")))
         if rows:
             yield section, rows
 
 
 def _subsection(prefix: str, cls, defaults):
+    """The keys of a subsection, those of its own subsections included ([quantize.linear.float8])."""
     docs = _field_docs(cls)
     hints = typing.get_type_hints(cls)
-    return [(f"{prefix}.{f.name}", _type_text(hints[f.name]), getattr(defaults, f.name), docs.get(f.name, ""))
-            for f in fields(cls)]
+    rows = []
+    for f in fields(cls):
+        if is_dataclass(hints[f.name]):
+            rows += _subsection(f"{prefix}.{f.name}", hints[f.name], getattr(defaults, f.name))
+        else:
+            rows.append((f"{prefix}.{f.name}", _type_text(hints[f.name]), getattr(defaults, f.name),
+                         docs.get(f.name, "")))
+    return rows
 
 
 def _model_subsection(name: str, overrides_cls):
@@ -151,15 +147,14 @@ def _model_subsection(name: str, overrides_cls):
             for f in fields(overrides_cls)]
 
 
-def help_text(usage: str, job_config_cls, titan_cls, extension_cls, supported: dict[str, set[str]]) -> str:
-    """The --help page: ``usage``, then every key hybridtitan reads (of the merged ``job_config_cls``: the
-    ``supported`` keys of torchtitan's ``titan_cls``, and all of ``extension_cls``'s)."""
+def help_text(usage: str, job_config_cls) -> str:
+    """The --help page: ``usage``, then every key of ``job_config_cls`` (hybridtitan.job_config.JobConfig)."""
     out = [usage.rstrip(), "",
            "Every key below can be set in a recipe's [section] or overridden on the command line as",
            "--section.key value (booleans also as --section.flag / --section.no_flag; lists comma-separated).",
            "--job.print_config prints the merged configuration. torchtitan's other options are refused when set.",
            "The defaults are those without a recipe; a recipe (train_configs/*.toml) sets most of them.", ""]
-    for section, rows in _entries(job_config_cls, titan_cls, extension_cls, supported):
+    for section, rows in _entries(job_config_cls):
         out.append(f"[{section}]")
         for key, type_text, default, doc in rows:
             out.append(f"  --{key} ({type_text}; default: {default!r})" if default != "the flavor's"
@@ -171,7 +166,7 @@ def help_text(usage: str, job_config_cls, titan_cls, extension_cls, supported: d
     return "\n".join(out)
 
 
-def reference_markdown(job_config_cls, titan_cls, extension_cls, supported: dict[str, set[str]]) -> str:
+def reference_markdown(job_config_cls) -> str:
     """docs/config-reference.md: every key hybridtitan reads, a table per section, from the same entries as
     ``help_text`` (so the page cannot drift from the code: a test compares it with this)."""
     out = ["# Configuration reference", "",
@@ -179,7 +174,7 @@ def reference_markdown(job_config_cls, titan_cls, extension_cls, supported: dict
            "line overrides it as `--section.key value` (booleans also `--section.flag` / `--section.no_flag`; lists "
            "comma-separated). torchtitan's other keys are refused when set. Generated from the configuration's "
            "dataclasses by `python -m hybridtitan.describe --config-reference`; a test keeps it current.", ""]
-    for section, rows in _entries(job_config_cls, titan_cls, extension_cls, supported):
+    for section, rows in _entries(job_config_cls):
         out += [f"## [{section}]", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         for key, type_text, default, doc in rows:
             shown = "the flavor's" if default == "the flavor's" else f"`{default!r}`"

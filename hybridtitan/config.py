@@ -1,13 +1,12 @@
-"""The job configuration: torchtitan 0.2.2's JobConfig sections with hybridtitan's keys merged in.
+"""Reading a job configuration: a TOML recipe and the command line into a JobConfig (hybridtitan.job_config).
 
 One source of truth: a TOML recipe, any key overridable on the command line as ``--section.key value`` (booleans
-also as ``--section.flag`` / ``--section.no_flag``, lists comma-separated). The recipe and the command line are
-read here, into the dataclasses, each value checked against its field's type, and every problem is one
-``ConfigError`` line naming the key. torchtitan keys for features hybridtitan does not implement (tensor,
-pipeline, context parallelism, float8, ...) are refused when set, rather than silently ignored.
+also as ``--section.flag`` / ``--section.no_flag``, lists comma-separated). Each value is checked against its
+field's type, and every problem is one ``ConfigError`` line naming the key. torchtitan keys for features
+hybridtitan does not implement (tensor, pipeline, context parallelism, MX formats, ...) are refused when set,
+rather than silently ignored.
 
-(No ``from __future__ import annotations`` here: the dataclass field types must stay real types, the type checks
-below read them.)
+(No ``from __future__ import annotations`` here: the type checks below read real types.)
 """
 
 import dataclasses
@@ -18,7 +17,7 @@ import os
 import sys
 import types
 import typing
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import fields, is_dataclass
 from typing import Any, Literal
 
 try:
@@ -26,258 +25,12 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-try:
-    from torchtitan.config import JobConfig as TitanJobConfig
-except ModuleNotFoundError as e:  # torchtitan imports Triton, which a plain `pip install hybridtitan` lacks
-    if e.name != "triton":
-        raise
-    from hybridtitan.cli import fail
-
-    fail("the trainer needs Triton (torchtitan imports it): pip install 'hybridtitan[cpu]' on a CPU machine "
-         "('[cuda]' or '[rocm]' on GPUs)")
-
 from hybridtitan.cli_help import OVERRIDES, help_text, reference_markdown
 from hybridtitan.data.config import Data, validate_data_config
-from hybridtitan.models import GDNArgs, GQAArgs, KDAArgs, Mamba2Args, MLAArgs, ModelArgs, get_flavor
+from hybridtitan.errors import ConfigError
+from hybridtitan.job_config import TITAN_OPTIONS, TITAN_SECTIONS, JobConfig
+from hybridtitan.models import ModelArgs, get_flavor
 from hybridtitan.models.pattern import pattern_from_ratio
-
-
-class ConfigError(ValueError):
-    """A bad recipe or override: reported as one line, exit code 2."""
-
-
-def _overrides_of(cls, doc: str):
-    """A dataclass with the fields of ``cls``, each optional (None: keep the flavor's value)."""
-    hints = typing.get_type_hints(cls)
-    made = dataclasses.make_dataclass(
-        cls.__name__.replace("Args", "Overrides"),
-        [(f.name, hints[f.name] | None, field(default=None)) for f in fields(cls)],
-    )
-    made.__doc__ = doc
-    return made
-
-
-GDNOverrides = _overrides_of(GDNArgs, "Gated DeltaNet sizes; unset keys keep the flavor's")
-KDAOverrides = _overrides_of(KDAArgs, "Kimi Delta Attention sizes; unset keys keep the flavor's")
-Mamba2Overrides = _overrides_of(Mamba2Args, "Mamba2 sizes; unset keys keep the flavor's")
-MLAOverrides = _overrides_of(MLAArgs, "Multi-latent attention sizes and RoPE/YaRN; unset keys keep the flavor's")
-GQAOverrides = _overrides_of(GQAArgs, "Grouped-query attention sizes and RoPE; unset keys keep the flavor's")
-
-
-@dataclass
-class Model:
-    name: str = "hybrid"
-    """Model family (only 'hybrid')"""
-
-    flavor: str = "debug_hybrid"
-    """Named configuration (python -m hybridtitan.describe --list); the keys below override it"""
-
-    pattern: str | None = None
-    """Sublayer pattern: '*' MLA attention, 'M' mixer, '-' SwiGLU MLP, e.g. '*-M-M-M-*-M-M-M-*-M-M-M-'"""
-
-    hybrid_attention_ratio: float | None = None
-    """Without an explicit pattern: fraction of (mixer, MLP) pairs that become (attention, MLP) (Primus rule)"""
-
-    mixer: str | None = None
-    """The 'M' sublayer: gdn, kda or mamba2"""
-
-    attention: str | None = None
-    """The '*' sublayer: mla (multi-latent attention) or gqa (grouped-query attention, Llama's)"""
-
-    n_layers: int | None = None
-    """Number of sublayers (the pattern's length)"""
-
-    dim: int | None = None
-    """Hidden size"""
-
-    ffn_dim: int | None = None
-    """SwiGLU hidden size"""
-
-    vocab_size: int | None = None
-    """Vocabulary size (at least the tokenizer's)"""
-
-    tie_embeddings: bool | None = None
-    """Share the embedding and the output layer"""
-
-    norm_eps: float | None = None
-    """RMSNorm epsilon"""
-
-    init_std: float | None = None
-    """Standard deviation of the normal initialisation"""
-
-    gdn: GDNOverrides = field(default_factory=GDNOverrides)
-    kda: KDAOverrides = field(default_factory=KDAOverrides)
-    mamba2: Mamba2Overrides = field(default_factory=Mamba2Overrides)
-    mla: MLAOverrides = field(default_factory=MLAOverrides)
-    gqa: GQAOverrides = field(default_factory=GQAOverrides)
-
-
-@dataclass
-class Training:
-    expandable_segments: bool = True
-    """GPU: the CUDA/HIP caching allocator uses expandable segments (less fragmentation); set by the trainer"""
-
-    loss_chunk_size: int = 4096
-    """Tokens per chunk of the fused linear cross-entropy (its extra memory is one chunk of logits)"""
-
-    eod_mask_loss: bool = False
-    """No loss where the input token is the end-of-document token (Megatron's eod_mask_loss: the first token of
-    the next document is not predicted from the last one's EOD). The loss is the mean over the counted tokens of
-    the whole global batch, however it is split into micro-batches and ranks"""
-
-    gdn_backend: Literal["triton", "flash_qla"] = "triton"
-    """GPU: FLA's backend for the gated delta rule: triton (FLA's Triton kernels, on every GPU, whatever else is
-    installed) or flash_qla (FlashQLA where the package is installed and takes the call, FLA's Triton kernels
-    otherwise; the log says which ran)"""
-
-    cuda_graphs: bool = False
-    """GPU: replay the recurrent mixers' FLA calls from CUDA graphs captured in the first step (whole sequences;
-    packed documents run eagerly). Much less host time per step for more memory (each layer keeps its own
-    inputs, outputs and input gradients): for small micro-batches, where the host's kernel launches set the pace"""
-
-
-@dataclass
-class Checkpoint:
-    last_save_model_only: bool = False
-    """Save only the model at the last step (smaller; the run cannot be extended from it). Off: the last
-    checkpoint is a full one, like every other"""
-
-    allow_tokenizer_change: bool = False
-    """Start from a checkpoint trained with another tokenizer than data.tokenizer (refused otherwise: the same ids
-    would mean other tokens); for a deliberate change of vocabulary"""
-
-
-def _held_out() -> Data:
-    return Data(path="", shuffle=False)
-
-
-@dataclass
-class Validation:
-    enable: bool = False
-    """Compute the loss on a held-out set every validation.freq steps and at the end (console, metrics.jsonl,
-    TensorBoard, W&B); it changes nothing of the training"""
-
-    freq: int = 500
-    """Steps between validations"""
-
-    steps: int = -1
-    """Batches per rank in each validation (the same batches every time); -1: one pass over the set"""
-
-    local_batch_size: int | None = None
-    """Sequences per rank in a validation batch (None: training.local_batch_size)"""
-
-    seq_len: int | None = None
-    """Tokens per validation sequence (None: training.seq_len)"""
-
-    data: Data = field(default_factory=_held_out)
-    """The held-out set: any data source, as [data] (its tokenizer is the training data's; never shuffled)"""
-
-
-@dataclass
-class Eval:
-    tasks: list[str] = field(default_factory=list)
-    """lm-eval tasks (names, or paths of local task YAMLs) evaluated on the live model during training, by all
-    ranks, each on its share of the requests; results logged as eval/<task>/<metric>. Empty: none"""
-
-    every_checkpoints: int = 1
-    """Evaluate after every N-th checkpoint saved, and at the end"""
-
-    include_path: str = ""
-    """A folder of extra task YAMLs (as lm-eval's --include_path)"""
-
-    limit: float | None = None
-    """Examples per task (a fraction if below 1; None: all)"""
-
-    num_fewshot: int | None = None
-    """Few-shot examples per request (None: the task's default)"""
-
-    batch_size: int = 8
-    """Requests per forward pass"""
-
-
-@dataclass
-class Distill:
-    teacher: str = ""
-    """The frozen teacher: a Hugging Face folder (a Llama, say) or a hybridtitan checkpoint (step, checkpoint or
-    dump folder), of the student's vocabulary and tokenizer. Empty: no distillation, the cross-entropy alone"""
-
-    kl_weight: float = 1.0
-    """Weight of the KL divergence of the student's next-token distributions from the teacher's (times T^2)"""
-
-    ce_weight: float = 0.0
-    """Weight of the student's cross-entropy on the data"""
-
-    layer_weight: float = 0.0
-    """Weight of layer distillation: per block (a token-mixing sublayer and the MLPs after it), fed the teacher's
-    stream, the L2 distance of its output and of its mixing sublayer's output from the teacher's (Zebra-Llama's
-    ILD); the teacher and student must have the same sublayer structure"""
-
-    temperature: float = 1.0
-    """Softmax temperature T of the KL"""
-
-    chunk_size: int = 4096
-    """Tokens per chunk of the KL: both models' 16-bit logits of a chunk are its extra memory on GPUs (about five
-    float32 chunks more where it runs eagerly: CPUs, a temperature with the cross-entropy)"""
-
-    kernel: Literal["hybridtitan", "fla"] = "hybridtitan"
-    """GPU: the KL's kernel: hybridtitan's (the chunks above, each one's softmax in a Triton kernel) or FLA's fused
-    KL (temperature 1 only; its own chunks; its output-weight gradient accumulates in float32 GEMMs)"""
-
-
-@dataclass
-class _Extension:
-    model: Model = field(default_factory=Model)
-    training: Training = field(default_factory=Training)
-    checkpoint: Checkpoint = field(default_factory=Checkpoint)
-    data: Data = field(default_factory=Data)
-    validation: Validation = field(default_factory=Validation)
-    eval: Eval = field(default_factory=Eval)
-    distill: Distill = field(default_factory=Distill)
-
-
-def merge_sections(base, extension, name: str = "JobConfig"):
-    """A dataclass with ``base``'s fields, where ``extension`` has a field of the same name and both are
-    dataclasses the two merged (recursively), and ``extension``'s other fields added."""
-    base_fields = {f.name: f for f in fields(base)}
-    ext_fields = {f.name: f for f in fields(extension)}
-    hints = {**typing.get_type_hints(base), **typing.get_type_hints(extension)}
-    merged = []
-    for fname in [*base_fields, *(n for n in ext_fields if n not in base_fields)]:
-        tp = hints[fname]
-        if fname in base_fields and fname in ext_fields and is_dataclass(typing.get_type_hints(base)[fname]) \
-                and is_dataclass(tp):
-            tp = merge_sections(typing.get_type_hints(base)[fname], tp, tp.__name__)
-            merged.append((fname, tp, field(default_factory=tp)))
-        else:
-            f = ext_fields.get(fname) or base_fields[fname]
-            default = {"default": f.default} if f.default is not dataclasses.MISSING else {
-                "default_factory": f.default_factory}
-            merged.append((fname, tp, field(**default)))
-    return dataclasses.make_dataclass(name, merged)
-
-
-JobConfig = merge_sections(TitanJobConfig, _Extension)
-
-# torchtitan keys hybridtitan reads; every other torchtitan key must keep its default value.
-SUPPORTED_TITAN_KEYS = {
-    "job": {"config_file", "dump_folder", "description", "print_config"},
-    "profiling": {"enable_profiling", "save_traces_folder", "profile_freq", "profiler_active", "profiler_warmup"},
-    "metrics": {"log_freq", "enable_tensorboard", "save_tb_folder", "enable_wandb"},
-    "model": {"name", "flavor"},
-    "optimizer": {"name", "lr", "beta1", "beta2", "eps", "weight_decay", "implementation"},
-    "lr_scheduler": {"warmup_steps", "total_steps", "decay_ratio", "decay_type", "min_lr_factor"},
-    "training": {"local_batch_size", "global_batch_size", "seq_len", "max_norm", "steps", "mixed_precision_param",
-                 "mixed_precision_reduce", "gc_freq"},
-    "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward"},
-    "checkpoint": {"enable", "folder", "interval", "initial_load_path", "initial_load_model_only", "keep_latest_k",
-                   "load_step", "async_mode", "exclude_from_loading", "enable_first_step_checkpoint"},
-    "activation_checkpoint": {"mode", "selective_ac_option"},
-    "compile": {"enable", "components"},
-    "comm": {"init_timeout_seconds", "train_timeout_seconds"},
-    "debug": {"seed", "deterministic"},
-    "validation": set(),  # hybridtitan's own keys (Validation), torchtitan's names where they exist
-}
-
 
 # ----------------------------------------------------------------------------------------------- parsing
 
@@ -324,13 +77,18 @@ def _describe_type(tp: Any) -> str:
 
 
 def _check_toml(data: dict, cls, prefix: str = "") -> None:
-    """Unknown sections/keys and wrong value types in the TOML, each reported with its full key."""
+    """Unknown sections/keys and wrong value types in the TOML, each reported with its full key; torchtitan's
+    options hybridtitan does not implement checked against their defaults (check_titan_option)."""
     known = _field_map(cls)
     hints = typing.get_type_hints(cls)
     for key, value in data.items():
         full = f"{prefix}{key}"
         if key not in known:
-            hint = difflib.get_close_matches(key, list(known), n=1)
+            if _is_titan(full):
+                _check_titan_toml(full, value)
+                continue
+            candidates = [*known, *(k[len(prefix):].split(".")[0] for k in TITAN_OPTIONS if k.startswith(prefix))]
+            hint = difflib.get_close_matches(key, list(dict.fromkeys(candidates)), n=1)
             where = f"section [{prefix[:-1]}]" if prefix else "the recipe"
             kind = "key" if prefix else "section"
             raise ConfigError(
@@ -343,6 +101,38 @@ def _check_toml(data: dict, cls, prefix: str = "") -> None:
             _check_toml(value, tp, prefix=f"{full}.")
         elif not _type_ok(value, tp):
             raise ConfigError(f"{full} must be {_describe_type(tp)}, got {value!r}")
+
+
+def _is_titan(key: str) -> bool:
+    """A torchtitan key or section hybridtitan does not implement (TITAN_OPTIONS)."""
+    return key in TITAN_OPTIONS or any(k.startswith(key + ".") for k in TITAN_OPTIONS)
+
+
+def _check_titan_toml(key: str, value: Any) -> None:
+    if isinstance(value, dict) and key not in TITAN_OPTIONS:
+        for name, inner in value.items():
+            full = f"{key}.{name}"
+            if not _is_titan(full):
+                raise ConfigError(f"unknown key {full!r} in section [{key}]")
+            _check_titan_toml(full, inner)
+        return
+    tp, _ = TITAN_OPTIONS[key]
+    if not _type_ok(value, tp):
+        raise ConfigError(f"{key} must be {_describe_type(tp)}, got {value!r}")
+    if key == "job.custom_config_module" and value:
+        raise ConfigError("job.custom_config_module is not used: hybridtitan's sections are built in")
+    check_titan_option(key, value)
+
+
+def check_titan_option(key: str, value: Any) -> None:
+    """A torchtitan option hybridtitan does not implement: its default is accepted (and means nothing here), any
+    other value refused in one line."""
+    if value == TITAN_OPTIONS[key][1]:
+        return
+    section = key.split(".")[0]
+    if section in TITAN_SECTIONS:
+        raise ConfigError(f"[{section}] is a torchtitan section that hybridtitan does not support; remove it")
+    raise ConfigError(f"{key} is a torchtitan option that hybridtitan does not support; remove it from the recipe")
 
 
 def _all_keys(cls, prefix: str = "") -> dict[str, Any]:
@@ -395,40 +185,53 @@ def parse_config(args: list[str] | None = None, check_data: bool = True, usage: 
     supported keys, and exits."""
     args = list(sys.argv[1:] if args is None else args)
     if "--help" in args or "-h" in args:
-        print(help_text(usage, JobConfig, TitanJobConfig, _Extension, SUPPORTED_TITAN_KEYS))
+        print(help_text(usage, JobConfig))
         raise SystemExit(0)
     toml = _load_toml(args)
     overrides = parse_overrides(args)  # checked before the recipe's values are applied: all mistakes say the same
     cfg = JobConfig()
     if toml is not None:
         _check_toml(toml, JobConfig)
-        if toml.get("job", {}).get("custom_config_module"):
-            raise ConfigError("job.custom_config_module is not used: hybridtitan's sections are built in")
         _apply_toml(cfg, toml)
     for key, value in overrides:
+        if key in TITAN_OPTIONS:
+            check_titan_option(key, value)
+            continue
         *sections, name = key.split(".")
         target = cfg
         for section in sections:
             target = getattr(target, section)
-        setattr(target, name, value)
+        _set(target, name, value)
     validate(cfg, check_data=check_data)
     return cfg
 
 
 def config_reference() -> str:
     """The Markdown reference of every key (docs/config-reference.md)."""
-    return reference_markdown(JobConfig, TitanJobConfig, _Extension, SUPPORTED_TITAN_KEYS)
+    return reference_markdown(JobConfig)
 
 
 def _apply_toml(target, data: dict) -> None:
     for key, value in data.items():
+        if not hasattr(target, key):  # a torchtitan option at its default (_check_toml): nothing to apply
+            continue
         if isinstance(value, dict) and is_dataclass(getattr(target, key)):
             _apply_toml(getattr(target, key), value)
         else:
-            setattr(target, key, value)
+            _set(target, key, value)
+
+
+def _set(section, key: str, value) -> None:
+    """A key's value, while the configuration is being read (the sections are frozen dataclasses: a JobConfig is
+    a value once parse_config returns it)."""
+    object.__setattr__(section, key, value)
 
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _titan_types() -> dict[str, Any]:
+    return {key: tp for key, (tp, _) in TITAN_OPTIONS.items()}
 
 
 def known_keys() -> dict[str, Any]:
@@ -458,12 +261,12 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
         negated = False
         if key not in known:
             plain = key[3:] if key.startswith("no_") else key.replace(".no_", ".", 1)
-            if plain != key and known.get(plain) in (bool, bool | None):
+            if plain != key and (known | _titan_types()).get(plain) in (bool, bool | None):
                 key, negated = plain, True
-            else:
-                hint = difflib.get_close_matches(key, list(known), n=1)
+            elif key not in TITAN_OPTIONS:
+                hint = difflib.get_close_matches(key, [*known, *TITAN_OPTIONS], n=1)
                 raise ConfigError(f"unknown option --{key}" + (f" (did you mean --{hint[0]}?)" if hint else ""))
-        tp = known[key]
+        tp = known.get(key) or TITAN_OPTIONS[key][0]
         if negated:
             out.append((key, False))
             continue
@@ -527,21 +330,7 @@ def _typed(key: str, text: str, tp: Any) -> Any:
 
 
 def validate(cfg, check_data: bool = True) -> None:
-    """Checks that need more than types: refused torchtitan features, positive sizes, the model arguments."""
-    defaults = JobConfig()
-    for section, supported in SUPPORTED_TITAN_KEYS.items():
-        titan_section = getattr(TitanJobConfig(), section)
-        ours = {f.name for f in fields(getattr(_Extension(), section))} if hasattr(_Extension(), section) else set()
-        for f in fields(titan_section):
-            if f.name in supported or f.name in ours:
-                continue
-            if getattr(getattr(cfg, section), f.name) != getattr(getattr(defaults, section), f.name):
-                raise ConfigError(f"{section}.{f.name} is a torchtitan option that hybridtitan does not support; "
-                                  "remove it from the recipe")
-    for section in ("quantize", "memory_estimation", "fault_tolerance", "experimental"):
-        if getattr(cfg, section) != getattr(defaults, section):
-            raise ConfigError(f"[{section}] is a torchtitan section that hybridtitan does not support; remove it")
-
+    """Checks that need more than types: positive sizes, values in range, the model arguments, the data."""
     t = cfg.training
     for name in ("steps", "seq_len", "local_batch_size", "loss_chunk_size"):
         if getattr(t, name) <= 0:
@@ -569,6 +358,10 @@ def validate(cfg, check_data: bool = True) -> None:
     if set(cfg.compile.components) - {"model", "loss", "norm", "swiglu"}:
         raise ConfigError("compile.components must name some of model, loss, norm and swiglu, got "
                           f"{cfg.compile.components}")
+    unknown = set(cfg.model.converters) - {"quantize.linear.float8"}
+    if unknown:
+        raise ConfigError(f"model.converters: unknown converter(s) {', '.join(sorted(unknown))}; hybridtitan has "
+                          "quantize.linear.float8 (float8 training of the linear layers)")
     if cfg.activation_checkpoint.mode not in ("none", "selective", "full"):
         raise ConfigError("activation_checkpoint.mode must be none, selective or full")
     option = cfg.activation_checkpoint.selective_ac_option

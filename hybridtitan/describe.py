@@ -10,9 +10,11 @@ and a memory estimate per device for the configured batch. ``--json`` prints one
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
+from hybridtitan.cli import one_line_errors
 from hybridtitan.config import (
     ConfigError,
     compiles,
@@ -21,7 +23,9 @@ from hybridtitan.config import (
     parse_config,
     selective_ac_interval,
 )
-from hybridtitan.models import FLAVORS
+from hybridtitan.float8 import CONVERTER as FLOAT8
+from hybridtitan.float8 import float8_settings, plan_float8
+from hybridtitan.models import FLAVORS, build_model
 from hybridtitan.models.flops import (
     flops_per_token,
     mamba2_conv_channels,
@@ -130,6 +134,11 @@ def describe(cfg) -> dict:
         loss_bytes = teacher["loss_bytes"]
     if teacher.get("flops_per_token"):
         flops = {**flops, "total": teacher["flops_per_token"]}
+    float8 = None
+    if FLOAT8 in cfg.model.converters:  # which linears a float8 run converts (checked on the GPU at the start)
+        conversion = plan_float8(build_model(args, "meta"), float8_settings(cfg), fsdp_sharded=shard > 1)
+        float8 = {"recipe": conversion.recipe, "converted": conversion.converted, "kept": conversion.kept,
+                  "flops_share": conversion.flops_share, "summary": conversion.summary()}
     layers = [
         {"index": i, "kind": kind, "symbol": args.pattern[i],
          "params": sum(sublayer_params(args, kind).values()), "flops_per_token": sublayer_flops(args, kind, t.seq_len)}
@@ -141,7 +150,7 @@ def describe(cfg) -> dict:
         "params_total": counts["total"], "params_non_embedding": counts["non_embedding"],
         "params_embedding": counts["embedding"], "flops_per_token": flops["total"],
         "flops_per_token_output_layer": flops["output_layer"], "seq_len": t.seq_len,
-        "local_batch_size": t.local_batch_size, "layers": layers,
+        "local_batch_size": t.local_batch_size, "layers": layers, "float8": float8,
         "memory_estimate_gib": {
             "params_grads_optimizer": states / GIB, "activations": act_bytes / GIB, "loss_chunk": loss_bytes / GIB,
             "teacher": teacher.get("bytes", 0) / GIB,
@@ -166,6 +175,8 @@ def _print_table(d: dict) -> None:
           f"(embedding {d['params_embedding']:,})")
     print(f"training FLOPs per token at seq_len {d['seq_len']}: {d['flops_per_token'] / 1e9:.4f} G "
           f"(output layer {d['flops_per_token_output_layer'] / 1e9:.4f} G)")
+    for line in d["float8"]["summary"] if d["float8"] else []:
+        print(line)
     m = d["memory_estimate_gib"]
     print(f"memory estimate per device, local batch {d['local_batch_size']} x {d['seq_len']}: "
           f"{m['total']:.2f} GiB = states {m['params_grads_optimizer']:.2f} + activations {m['activations']:.2f} "
@@ -294,21 +305,19 @@ def main(argv: list[str] | None = None) -> None:
         return
     as_json = "--json" in argv
     argv = [a for a in argv if a != "--json"]
-    try:
+    with one_line_errors(ValueError):
         argv, options = _plan_options(argv)
         cfg = parse_config(argv, check_data=False, usage=USAGE)
         lines, holds = [], True
         if "world_size" in options:
             plan = batch_plan(cfg, options["world_size"])
             if "shard" in plan:  # the memory per GPU at this sharding, with the batch that would run
-                cfg.parallelism.data_parallel_shard_degree = plan["shard"]
-                cfg.training.local_batch_size = (plan.get("suggestion") or {}).get("local_batch",
-                                                                                    cfg.training.local_batch_size)
+                local_batch = (plan.get("suggestion") or {}).get("local_batch", cfg.training.local_batch_size)
+                cfg = dataclasses.replace(
+                    cfg, parallelism=dataclasses.replace(cfg.parallelism, data_parallel_shard_degree=plan["shard"]),
+                    training=dataclasses.replace(cfg.training, local_batch_size=local_batch))
             lines, holds = plan_lines(cfg, plan, options.get("nodes"), data_problem(cfg))
         d = describe(cfg)
-    except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     if as_json:
         print(json.dumps({**d, **({"plan": {"lines": lines, "holds": holds}} if lines else {})}))
     else:

@@ -54,13 +54,14 @@ def check_teacher(cfg, student: ModelArgs, tokenizer) -> Teacher | None:
     """The [distill] teacher, checked against the student without reading its weights: a model folder that loads,
     the student's vocabulary size and tokenizer, and for layer distillation the same sublayer structure and width.
     ConfigError (one line) otherwise; None where the recipe names no teacher."""
+    d = cfg.distill
+    if not d.teacher:
+        return None
+    # imported here: the Hugging Face side (a second of start-up) only where a teacher is read
     from hybridtitan.checkpoint import CheckpointError
     from hybridtitan.hf.convert import load_tokenizer
     from hybridtitan.loader import read_model_args, tokenizer_path
 
-    d = cfg.distill
-    if not d.teacher:
-        return None
     try:
         args = read_model_args(d.teacher)
         teacher_tokenizer = tokenizer_path(d.teacher)
@@ -130,7 +131,8 @@ class Distiller:
                              options=StateDictOptions(full_state_dict=True, strict=True))
         del state
         self.teacher = model.requires_grad_(False).eval()
-        logger.info(f"distillation teacher: {source}, pattern {args.pattern}, {sum(p.numel() for p in model.parameters()):,} "
+        n_params = sum(p.numel() for p in model.parameters())
+        logger.info(f"distillation teacher: {source}, pattern {args.pattern}, {n_params:,} "
                     f"parameters (sharded, {str(param_dtype).removeprefix('torch.')}); loss = {d.kl_weight} x T^2 x KL "
                     f"+ {d.ce_weight} x CE + {d.layer_weight} x layer distance, T = {d.temperature}")
 

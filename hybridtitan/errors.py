@@ -1,4 +1,38 @@
-"""One-line error messages: what the command-line tools print on bad input."""
+"""The errors a person can fix, and their one-line form.
+
+Every problem of the input (a recipe, a command line, data, a checkpoint or model folder, an evaluation task) is a
+UserError of one of the kinds below, raised with one line that says what is wrong and, where it helps, what to
+do. Every command turns one into ``error: <that line>`` on stderr and exit code 2 (hybridtitan.cli.one_line_errors),
+never a traceback; anything else is a bug and keeps its traceback.
+"""
+
+
+class UserError(ValueError):
+    """A problem of the input that the person running the command can fix."""
+
+
+class ConfigError(UserError):
+    """A bad recipe or override, found before anything is written."""
+
+
+class DataError(UserError):
+    """Training data found unusable while it is read (after the start-up checks): a shard of empty documents."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint folder that is missing, incomplete, damaged or of another model."""
+
+
+class ConversionError(UserError):
+    """A model or folder that cannot be converted (export, import, upcycling)."""
+
+
+class EvalError(UserError):
+    """A bad evaluation request: an unknown task, an output path that cannot be written."""
+
+
+class ResumeError(UserError):
+    """The chosen checkpoint could not be loaded into this run."""
 
 
 def first_error_line(e: BaseException, with_type: bool = False) -> str:
@@ -17,11 +51,3 @@ def first_error_line(e: BaseException, with_type: bool = False) -> str:
     if with_type:
         return f"{type(e).__name__}: {text}"
     return text or type(e).__name__
-
-
-class DataError(ValueError):
-    """Training data found unusable while it is read (after the start-up checks): a shard of empty documents."""
-
-
-class ConversionError(ValueError):
-    """A model or folder that cannot be converted (export, import, upcycling): reported as one line."""

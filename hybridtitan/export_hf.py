@@ -25,7 +25,7 @@ import os
 import shutil
 import warnings
 
-from hybridtitan.cli import OneLineParser, fail, parse_size
+from hybridtitan.cli import OneLineParser, fail, one_line_errors, parse_size
 
 DTYPES = ("bfloat16", "float32", "float16")
 FORMATS = ("auto", "llama", "fla", "hybridtitan")
@@ -47,7 +47,7 @@ def export(checkpoint: str, output: str, *, step: int | None = None, dtype: str 
     or "hybridtitan"). Raises CheckpointError / ConversionError (one line) on bad input, before writing anything."""
     import torch
 
-    from hybridtitan.checkpoint import load_model_args, resolve_checkpoint
+    from hybridtitan.checkpoint import load_model_args, read_dcp_model_state, resolve_checkpoint
     from hybridtitan.hf.convert import (
         DEFAULT_MAX_SHARD_SIZE,
         ConversionError,
@@ -57,7 +57,6 @@ def export(checkpoint: str, output: str, *, step: int | None = None, dtype: str 
         load_tokenizer,
         output_problem,
         publish_folder,
-        read_dcp_model_state,
         to_fla_key,
         write_safetensors,
     )
@@ -159,14 +158,9 @@ def main(argv: list[str] | None = None) -> None:
         fail(problem)
     warnings.filterwarnings("ignore", message="Triton is not supported")  # FLA on a CPU machine
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP read in one process
-    from hybridtitan.checkpoint import CheckpointError
-    from hybridtitan.hf.convert import ConversionError
-
-    try:
+    with one_line_errors():
         layout = export(args.checkpoint, args.output, step=args.step, dtype=args.dtype, tokenizer=args.tokenizer,
                         overwrite=args.overwrite, format=args.format, max_shard_size=args.max_shard_size)
-    except (CheckpointError, ConversionError) as e:
-        fail(str(e))
     print(f"exported {args.checkpoint} to {args.output} ({layout} layout, {args.dtype})")
 
 

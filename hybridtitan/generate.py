@@ -3,7 +3,7 @@
     python -m hybridtitan.generate --checkpoint outputs/quickstart --prompt "Return the number of"
     python -m hybridtitan.generate --checkpoint outputs/quickstart/hf --temperature 0      # interactive, greedy
 
-The model is loaded as hybridtitan.eval loads it (HybridLM, our own code: CPU or GPU). The prompt is fed once
+The model is read by hybridtitan.loader, as for evaluation (HybridLM, our own code: CPU or GPU). The prompt is fed once
 (the prefill), then one token per step through the recurrent/MLA cache, until --max_new_tokens or the
 end-of-text token. --temperature 0 is greedy; otherwise tokens are drawn from softmax(logits / T) restricted to
 the smallest set of tokens whose probability reaches --top_p (nucleus sampling); --seed makes a draw repeatable.
@@ -21,7 +21,7 @@ import sys
 import warnings
 from collections.abc import Callable
 
-from hybridtitan.cli import OneLineParser, fail
+from hybridtitan.cli import OneLineParser, fail, one_line_errors
 
 DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_TEMPERATURE = 0.8
@@ -118,9 +118,8 @@ def load(args):
 
     import torch
 
-    from hybridtitan.checkpoint import CheckpointError
-    from hybridtitan.eval import load_for_eval
-    from hybridtitan.hf.convert import ConversionError, is_hf_folder
+    from hybridtitan import loader
+    from hybridtitan.hf.convert import is_hf_folder
 
     if args.step is not None and is_hf_folder(args.checkpoint):
         fail(f"--step: {args.checkpoint} is a Hugging Face folder, which holds one model (no steps)")
@@ -130,11 +129,9 @@ def load(args):
         if not torch.cuda.is_available() or index >= torch.cuda.device_count():
             fail(f"--device {device}: no such GPU is available")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    try:
-        model, tokenizer, source = load_for_eval(args.checkpoint, step=args.step, device=device, dtype=dtype,
-                                                 tokenizer=args.tokenizer)
-    except (CheckpointError, ConversionError) as e:
-        fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+    with one_line_errors():
+        model, tokenizer, source = loader.load(args.checkpoint, step=args.step, device=device, dtype=dtype,
+                                               tokenizer=args.tokenizer)
     print(f"hybridtitan: {source}, {dtype} on {device}", file=sys.stderr, flush=True)
     return model.eval(), tokenizer
 

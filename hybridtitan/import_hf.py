@@ -5,11 +5,11 @@
     (or, with any dump folder: --checkpoint.initial_load_path outputs/gdn_ft/checkpoint/step-0)
 
 Reads a Llama (LlamaForCausalLM), an FLA GatedDeltaNet/KDA checkpoint (GatedDeltaNetForCausalLM, KDAForCausalLM)
-or one of our own exports (model_type hybridtitan), checks that every tensor fits the model its config describes, and writes a model-only
-DCP checkpoint with model_args.json; the tokenizer found in the folder (or --tokenizer) is saved inside it under
-``tokenizer/``, where export and evaluation find it. The step folder appears only once complete. An existing
-output folder that is not empty is refused; --overwrite replaces an earlier import (a model-only step folder),
-never a training checkpoint or a run's dump or checkpoint folder.
+or one of our own exports (model_type hybridtitan), checks that every tensor fits the model its config describes,
+and writes a model-only DCP checkpoint with model_args.json; the tokenizer found in the folder (or --tokenizer) is
+saved inside it under ``tokenizer/``, where export and evaluation find it. The step folder appears only once
+complete. An existing output folder that is not empty is refused; --overwrite replaces an earlier import (a
+model-only step folder), never a training checkpoint or a run's dump or checkpoint folder.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import re
 import shutil
 import warnings
 
-from hybridtitan.cli import OneLineParser, fail
+from hybridtitan.cli import OneLineParser, fail, one_line_errors
 
 
 def import_hf(model: str, output: str, *, tokenizer: str | None = None, overwrite: bool = False) -> str:
@@ -90,13 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     if not os.path.isdir(args.model):
         fail(f"model folder not found: {args.model}")
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    from hybridtitan.checkpoint import CheckpointError
-    from hybridtitan.hf.convert import ConversionError
-
-    try:
+    with one_line_errors():
         model_type = import_hf(args.model, args.output, tokenizer=args.tokenizer, overwrite=args.overwrite)
-    except (CheckpointError, ConversionError) as e:
-        fail(str(e))
     print(f"imported {args.model} ({model_type}) to {args.output}")
 
 

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from hybridtitan.checkpoint import load_model_args, resolve_checkpoint
+from hybridtitan.checkpoint import load_model_args, read_dcp_model_state, resolve_checkpoint
 from hybridtitan.errors import ConversionError
 from hybridtitan.hf.convert import (
     checkpoint_tokenizer,
@@ -23,7 +23,6 @@ from hybridtitan.hf.convert import (
     load_tokenizer,
     model_args_from_hf_config,
     model_from_state,
-    read_dcp_model_state,
     read_hf_config,
     read_hf_model,
 )

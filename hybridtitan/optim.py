@@ -1,22 +1,19 @@
-"""AdamW with decoupled weight decay on the weight matrices only, gradient clipping, and the warm-up + decay
-schedule; the update and the clipping work on each rank's shards of FSDP's parameters.
+"""AdamW with decoupled weight decay on the weight matrices only, and gradient clipping; the update and the
+clipping work on each rank's shards of FSDP's parameters (the schedule: hybridtitan.lr_schedule).
 
 Norm gains, biases, A_log, dt_bias and D (every parameter with fewer than two dimensions) take no weight
 decay, as in FLA and in Megatron, which decides by the stored shape: Primus stores KDA's A_log as (1, 1, H, 1)
-and so decays it, where this and FLA do not. The schedule is torchtitan's: linear warm-up, then linear, sqrt or
-cosine decay to ``lr * min_lr_factor``; ``decay_ratio`` turns it into warm-up-stable-decay.
+and so decays it, where this and FLA do not.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torchtitan.components.lr_scheduler import build_lr_schedulers
 
 
 def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
@@ -93,63 +90,3 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torc
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     torch._foreach_mul_(local, scale)
     return norm
-
-
-def _held_at_floor(step: int, schedule, warmup_steps: int, floor: float, decays: bool = True) -> float:
-    if step < warmup_steps:
-        return schedule(step)
-    if not decays:  # warm-up then flat to the end (no decay steps left): flat past it too (torchtitan would fail)
-        return 1.0
-    return max(schedule(step), floor)
-
-
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg):
-    """torchtitan's warm-up/stable/decay schedule, held at ``lr * min_lr_factor`` once it has decayed: past
-    ``lr_scheduler.total_steps`` (shorter than the run, or a schedule resumed with a reset step) its decay goes
-    on below that, to negative learning rates, which would train the model backwards."""
-    return _held_schedule(optimizer, cfg.lr_scheduler, cfg.training.steps)
-
-
-def _held_schedule(optimizer: torch.optim.Optimizer, lr_scheduler, training_steps: int):
-    schedulers = build_lr_schedulers([optimizer], lr_scheduler, training_steps)
-    for scheduler in schedulers.schedulers:
-        # partial objects, as torchtitan's own: LambdaLR's state_dict keeps only their (empty) __dict__. The warm-up
-        # (as torchtitan adjusted it) starts below the floor and is left alone.
-        scheduler.lr_lambdas = [functools.partial(
-            _held_at_floor, schedule=fn, floor=lr_scheduler.min_lr_factor,
-            warmup_steps=getattr(fn, "keywords", {}).get("warmup_steps", lr_scheduler.warmup_steps),
-            decays=getattr(fn, "keywords", {}).get("decay_steps", 1) > 0)
-            for fn in scheduler.lr_lambdas]
-    return schedulers
-
-
-SCHEDULE_KEYS = ("warmup_steps", "total_steps", "decay_ratio", "decay_type", "min_lr_factor")
-
-
-def schedule_shape(lr_scheduler: dict, training_steps: int) -> dict:
-    """The settings a schedule's shape follows (``lr_scheduler`` as a dict), total_steps resolved as torchtitan
-    does: training.steps unless it is set."""
-    shape = {key: lr_scheduler.get(key) for key in SCHEDULE_KEYS}
-    if shape["total_steps"] is None:
-        shape["total_steps"] = training_steps
-    return shape
-
-
-def reshape_schedule(schedulers, lr_scheduler) -> None:
-    """Gives resumed ``schedulers`` the shape of ``lr_scheduler`` (a config with total_steps set), keeping their
-    step and the optimizer's learning rates: the new factors come from a schedule built on a stand-in optimizer
-    (building one on the real optimizer would reset its rates)."""
-    for scheduler in schedulers.schedulers:
-        groups = [{"params": [nn.Parameter(torch.zeros(1))]} for _ in scheduler.lr_lambdas]
-        stand_in = _held_schedule(torch.optim.SGD(groups, lr=1.0), lr_scheduler, lr_scheduler.total_steps)
-        scheduler.lr_lambdas = list(stand_in.schedulers[0].lr_lambdas)
-
-
-def apply_schedule(schedulers) -> None:
-    """Sets each parameter group's learning rate to its schedule's at the schedule's step. A resume loads the
-    optimizer's rates and the schedule's step apart: with either left out of loading (a fresh optimizer on a
-    resumed schedule, or a new schedule on a resumed optimizer) the first step would otherwise run at the rate the
-    other one holds; the schedule writes the rates only when it steps."""
-    for scheduler in schedulers.schedulers:
-        for group, base_lr, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
-            group["lr"] = base_lr * factor(scheduler.last_epoch)

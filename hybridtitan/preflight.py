@@ -24,7 +24,7 @@ from hybridtitan.checkpoint import (
     read_job_config,
     resolve_checkpoint,
 )
-from hybridtitan.config import ConfigError, held_out_data, model_args
+from hybridtitan.config import ConfigError, compiles, held_out_data, model_args
 from hybridtitan.data import HeldOut, build_dataloader, build_tokenizer
 from hybridtitan.data.config import local_data_files, looks_local, megatron_prefixes, resolve_path
 from hybridtitan.data.manifest import check_shards
@@ -32,13 +32,24 @@ from hybridtitan.data.sources import summarize
 from hybridtitan.data.tokenizer import vocabulary_fingerprint
 from hybridtitan.distill import Teacher, check_teacher
 from hybridtitan.errors import first_error_line
-from hybridtitan.models import ModelArgs
+from hybridtitan.float8 import CONVERTER as FLOAT8
+from hybridtitan.float8 import (
+    Float8Conversion,
+    float8_refusal_here,
+    float8_settings,
+    float8_warnings,
+    plan_float8,
+)
+from hybridtitan.lr_schedule import SCHEDULE_KEYS, schedule_shape
+from hybridtitan.models import ModelArgs, build_model
 from hybridtitan.parallel import DataParallel, resolve_data_parallel
 
 DEFAULT_SEED = 42
 
 OTHER_WORKERS = ("its data loader state does not fit this run's loader: it needs the data.num_workers of the run "
                  "that saved it (checkpoint.exclude_from_loading = [\"dataloader\"] starts the data afresh)")
+# how a warning about a resumed schedule ends
+NEW_SCHEDULE = '(checkpoint.exclude_from_loading = ["lr_scheduler"] starts a new one)'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +58,7 @@ class StartPoint:
 
     step_dir: str
     model_only: bool  # load the weights alone (an import's step-0, or initial_load_model_only)
-    said: str  # how the log names it: "resumed from ..." or "initialised from ..."
+    description: str  # how the log names it: "resumed from ..." or "initialised from ..."
     ignored_initial_load_path: bool = False  # the run's own checkpoint won over checkpoint.initial_load_path
 
 
@@ -68,6 +79,8 @@ class Plan:
     teacher: Teacher | None = None  # the distillation teacher, where [distill] names one
     warnings: tuple[str, ...] = ()  # what the run's log says before training, once logging is set up
     reads: str = ""  # what the run reads: files, documents, tokens and the epochs the schedule makes of them
+    lr_scheduler: Any = None  # the [lr_scheduler] in force: the recipe's, or a resumed checkpoint's shape
+    float8: Float8Conversion | None = None  # the linears float8 training converts (model.converters)
 
 
 def preflight(cfg) -> Plan:
@@ -86,6 +99,8 @@ def preflight(cfg) -> Plan:
         raise ConfigError(f"training.global_batch_size ({global_batch}) is not divisible by local_batch_size x "
                           f"data-parallel size ({t.local_batch_size} x {dp.size} = {per_step})")
     args = model_args(cfg)
+    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    float8, float8_warnings_ = float8_plan(cfg, args, dp, device)
     tokenizer = None
     needs_tokenizer = cfg.data.source != "mock" or cfg.eval.tasks or (
         cfg.validation.enable and cfg.validation.data.source != "mock")
@@ -117,7 +132,8 @@ def preflight(cfg) -> Plan:
         check_eval_tasks(cfg)
     teacher = check_teacher(cfg, args, tokenizer)
     start = choose_start(cfg)
-    warnings = data_warnings + ([teacher.warning] if teacher is not None and teacher.warning else [])
+    warnings = data_warnings + ([teacher.warning] if teacher is not None and teacher.warning else []) + \
+        float8_warnings_
     unread = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
     if not cfg.checkpoint.enable and complete_steps(unread):
         warnings.append(f"checkpoint.enable is false: the checkpoints in {unread} (steps "
@@ -127,9 +143,54 @@ def preflight(cfg) -> Plan:
         check_start(cfg, start, args)
         if tokenizer is not None and not cfg.checkpoint.allow_tokenizer_change:
             check_start_tokenizer(cfg, start, tokenizer)
-    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    lr_scheduler, kept = schedule_in_force(cfg, start)
+    warnings += [kept] if kept else []
     return Plan(device, world_size, dp, global_batch // per_step, args, tokenizer, dataloader, seed, start,
-                held_out, teacher, tuple(warnings), what_the_run_reads(cfg, global_batch))
+                held_out, teacher, tuple(warnings), what_the_run_reads(cfg, global_batch), lr_scheduler, float8)
+
+
+def float8_plan(cfg, args: ModelArgs, dp: DataParallel, device: torch.device
+                ) -> tuple[Float8Conversion | None, list[str]]:
+    """Float8 training (model.converters): refused in one line where it cannot run; otherwise which linears
+    convert, decided on a model of the meta device, and what the log says of it."""
+    if FLOAT8 not in cfg.model.converters:
+        return None, []
+    settings = float8_settings(cfg)
+    compiled = compiles(cfg, "model")
+    refusal = float8_refusal_here(settings, device, compiled=compiled)
+    if refusal is not None:
+        raise ConfigError(refusal)
+    conversion = plan_float8(build_model(args, "meta"), settings, fsdp_sharded=dp.shard > 1)
+    warnings = float8_warnings(settings, compiled=compiled, fsdp_sharded=dp.shard > 1)
+    if not conversion.converted:
+        warnings.append(f"{FLOAT8}: no linear layer of this model gains from float8 (every one is kept: "
+                        "describe lists why), so the run trains in its usual precision")
+    return conversion, warnings
+
+
+def schedule_in_force(cfg, start: StartPoint | None) -> tuple[Any, str | None]:
+    """The learning-rate schedule the run follows, and what the log says of it. A resumed schedule goes on as it
+    was saved: its step comes from the checkpoint, and so does its shape (warm-up, length, decay) where the
+    recipe's values differ (a longer run, whose schedule follows training.steps, say), which would otherwise bend
+    it mid-way: the rate could jump back up tenfold. The job config of the checkpoints that follow records the
+    shape in force."""
+    loaded = "lr_scheduler" not in cfg.checkpoint.exclude_from_loading and \
+        "train_state" not in cfg.checkpoint.exclude_from_loading
+    if start is None or start.model_only or not loaded or is_model_only(start.step_dir) or \
+            os.path.basename(start.step_dir.rstrip("/")) == "step-0":
+        return cfg.lr_scheduler, None
+    try:
+        saved = read_job_config(start.step_dir)
+        saved_shape = schedule_shape(saved["lr_scheduler"], saved["training"]["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return cfg.lr_scheduler, None  # a checkpoint without its job config (written by other tools)
+    shape = schedule_shape(dataclasses.asdict(cfg.lr_scheduler), cfg.training.steps)
+    if shape == saved_shape:
+        return cfg.lr_scheduler, None
+    changed = ", ".join(f"{key} {shape[key]} (checkpoint: {saved_shape[key]})"
+                        for key in SCHEDULE_KEYS if shape[key] != saved_shape[key])
+    return (dataclasses.replace(cfg.lr_scheduler, **saved_shape),
+            f"lr_scheduler: {changed}: the checkpoint's schedule goes on, held past its end {NEW_SCHEDULE}")
 
 
 def data_files(data) -> list[str]:
@@ -185,7 +246,7 @@ def what_the_run_reads(cfg, global_batch: int) -> str:
 
 def check_eval_tasks(cfg) -> None:
     """The [eval] tasks exist (lm-eval's, or in eval.include_path): said now, not after hours of training."""
-    from hybridtitan.eval import EvalError, task_manager_for
+    from hybridtitan.evaluation import EvalError, task_manager_for
 
     if cfg.eval.include_path and not os.path.isdir(cfg.eval.include_path):
         raise ConfigError(f"eval.include_path: no such folder: {cfg.eval.include_path}")
@@ -228,7 +289,7 @@ def _start_in(cfg, folder: str, steps: list[int]) -> StartPoint | None:
             raise ConfigError(f"checkpoint.load_step {c.load_step} is older than step(s) "
                               f"{', '.join(map(str, newer))} in {folder}: move those folders away first (the next "
                               "resume would return to them, and keep_latest_k would delete the new ones)")
-        return StartPoint(step_dir, model_only=False, said=f"resumed from {step_dir}")
+        return StartPoint(step_dir, model_only=False, description=f"resumed from {step_dir}")
     if steps:
         step_dir = os.path.join(folder, f"step-{steps[-1]}")
         # step 0 is a model-only starting point on purpose (import_hf); a later model-only step ends a run: taking
@@ -239,7 +300,8 @@ def _start_in(cfg, folder: str, steps: list[int]) -> StartPoint | None:
                               "checkpoint.last_save_model_only): a run cannot go on from it, only start from it as "
                               "step-0. To train on from its weights, give it as checkpoint.initial_load_path with "
                               "another job.dump_folder")
-        return StartPoint(step_dir, model_only=steps[-1] == 0, said=f"resumed from {folder}/step-{steps[-1]}",
+        return StartPoint(step_dir, model_only=steps[-1] == 0,
+                          description=f"resumed from {folder}/step-{steps[-1]}",
                           ignored_initial_load_path=bool(c.initial_load_path))
     if c.initial_load_path:
         try:
@@ -247,8 +309,8 @@ def _start_in(cfg, folder: str, steps: list[int]) -> StartPoint | None:
         except ValueError as e:
             raise ConfigError(f"checkpoint.initial_load_path: {e}") from None
         model_only = c.initial_load_model_only
-        return StartPoint(step_dir, model_only, said=f"initialised from {step_dir}" + (" (model only)" if model_only
-                                                                                       else ""))
+        return StartPoint(step_dir, model_only,
+                          description=f"initialised from {step_dir}" + (" (model only)" if model_only else ""))
     return None
 
 

@@ -8,18 +8,15 @@ starts the named parts afresh instead.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
 
-from hybridtitan.checkpoint import CheckpointManager, read_job_config
-from hybridtitan.optim import SCHEDULE_KEYS, apply_schedule, reshape_schedule, schedule_shape
-from hybridtitan.preflight import StartPoint, changed_settings
+from hybridtitan.checkpoint import CheckpointManager
+from hybridtitan.lr_schedule import apply_schedule
+from hybridtitan.preflight import NEW_SCHEDULE, StartPoint, changed_settings
 
 logger = logging.getLogger("hybridtitan")
-
-NEW_SCHEDULE = '(checkpoint.exclude_from_loading = ["lr_scheduler"] starts a new one)'
 
 
 def resume(cfg, start: StartPoint | None, ckpt: CheckpointManager, state) -> None:
@@ -32,35 +29,11 @@ def resume(cfg, start: StartPoint | None, ckpt: CheckpointManager, state) -> Non
         logger.warning(f"checkpoint.initial_load_path {cfg.checkpoint.initial_load_path} is ignored: the run's own "
                        f"checkpoint folder holds step {step}, and a run resumes from its own first")
     ckpt.load(start.step_dir, model_only=start.model_only)
-    logger.info(start.said + ("" if start.model_only else f" (step {state.step})"))
-    if state.step > 0 and "lr_scheduler" not in cfg.checkpoint.exclude_from_loading:
-        keep_the_checkpoints_schedule(cfg, ckpt, start.step_dir)
+    logger.info(start.description + ("" if start.model_only else f" (step {state.step})"))
     apply_schedule(ckpt.lr_scheduler)  # the rates of the schedule in force, whichever parts were loaded
     if state.step > 0 and "dataloader" not in cfg.checkpoint.exclude_from_loading:
         warn_about_the_kept_data_order(cfg, start.step_dir)
     warn_about_resumed_values(cfg, ckpt, state)
-
-
-def keep_the_checkpoints_schedule(cfg, ckpt: CheckpointManager, step_dir: str) -> None:
-    """A resumed schedule goes on as it was saved: its step and rates come from the checkpoint, and so does its
-    shape (warm-up, length, decay), which follows the recipe's values. Changed values (a longer run whose schedule
-    follows training.steps, say) would otherwise bend it mid-way: the rate could jump back up tenfold. The shape in
-    force is recorded in the job config of the checkpoints that follow."""
-    try:
-        saved = read_job_config(step_dir)
-        saved_shape = schedule_shape(saved["lr_scheduler"], saved["training"]["steps"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # a checkpoint without its job config (written by other tools): nothing to compare with
-    shape = schedule_shape(ckpt.job_config["lr_scheduler"], cfg.training.steps)
-    if saved_shape == shape:
-        return
-    changed = ", ".join(f"{key} {shape[key]} (checkpoint: {saved_shape[key]})"
-                        for key in SCHEDULE_KEYS if shape[key] != saved_shape[key])
-    logger.warning(f"lr_scheduler: {changed}: the checkpoint's schedule goes on, held past its end {NEW_SCHEDULE}")
-    kept = dataclasses.replace(cfg.lr_scheduler, **saved_shape)
-    reshape_schedule(ckpt.lr_scheduler, kept)
-    cfg.lr_scheduler = kept
-    ckpt.job_config["lr_scheduler"].update(saved_shape)
 
 
 def warn_about_the_kept_data_order(cfg, step_dir: str) -> None:

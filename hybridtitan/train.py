@@ -38,16 +38,19 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from hybridtitan import ops
 from hybridtitan.checkpoint import CheckpointManager
-from hybridtitan.config import TRAIN_USAGE, ConfigError, compiles, parse_config, selective_ac_interval, to_dict
+from hybridtitan.cli import fail, one_line_errors
+from hybridtitan.config import TRAIN_USAGE, compiles, parse_config, selective_ac_interval, to_dict
 from hybridtitan.data.config import recorded_path
 from hybridtitan.data.loader import IGNORE_INDEX
 from hybridtitan.data.tokenizer import vocabulary_fingerprint
 from hybridtitan.distill import Distiller, training_flops_per_token
-from hybridtitan.errors import DataError, first_error_line
+from hybridtitan.errors import DataError, ResumeError, first_error_line
+from hybridtitan.float8 import Float8Conversion, apply_float8, precompute_float8_scales
+from hybridtitan.lr_schedule import LRSchedule
 from hybridtitan.metrics import MetricsLogger
 from hybridtitan.models import build_model
 from hybridtitan.models.flops import param_counts
-from hybridtitan.optim import build_lr_scheduler, build_optimizer, clip_grad_norm_
+from hybridtitan.optim import build_optimizer, clip_grad_norm_
 from hybridtitan.parallel import build_mesh, parallelize
 from hybridtitan.preflight import Plan, data_identity, preflight
 from hybridtitan.resume import resume
@@ -95,8 +98,10 @@ def kernel_config(cfg, device: torch.device) -> ops.KernelConfig:
 
 def build_parallel_model(args, mesh, device: torch.device, *, kernels: ops.Kernels = ops.DEFAULT,
                          ac_mode: str = "none", ac_every: int = 1, compile_model: bool = False,
-                         param_dtype: torch.dtype = torch.float32, reshard_after_forward: str = "default"):
-    """The training model: initialised whole from the seed, then wrapped from outside (hybridtitan.parallel).
+                         param_dtype: torch.dtype = torch.float32, reshard_after_forward: str = "default",
+                         float8: Float8Conversion | None = None):
+    """The training model: initialised whole from the seed, then converted (``float8``: the linears float8
+    training swaps) and wrapped from outside (hybridtitan.float8, hybridtitan.parallel).
 
     Initialising before sharding makes the initial weights independent of the number of ranks (random ops on
     sharded CPU tensors would repeat the same numbers in every shard). The benchmark builds its models here too.
@@ -105,6 +110,8 @@ def build_parallel_model(args, mesh, device: torch.device, *, kernels: ops.Kerne
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights()
+    if float8 is not None:
+        apply_float8(model, float8)
     parallelize(model, mesh, ac_mode=ac_mode, ac_every=ac_every, compile_model=compile_model,
                 param_dtype=param_dtype, reduce_dtype=torch.float32, reshard_after_forward=reshard_after_forward)
     return model.train()
@@ -201,10 +208,6 @@ class StopRequest:
         logger.warning(f"signal {signum}: saving a checkpoint after this step or the next, then stopping")
 
 
-class ResumeError(Exception):
-    """The chosen checkpoint could not be loaded into this run (said in one line, exit code 2)."""
-
-
 class Trainer:
     """A training run: built from a checked config, then ``train()``."""
 
@@ -236,7 +239,9 @@ class Trainer:
         self.model = build_parallel_model(
             args, self.mesh, self.device, kernels=kernels, ac_mode=cfg.activation_checkpoint.mode,
             ac_every=selective_ac_interval(cfg), compile_model=compiles(cfg, "model"), param_dtype=param_dtype,
-            reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward)
+            reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward, float8=plan.float8)
+        for line in plan.float8.summary() if plan.float8 is not None else []:
+            logger.info(line)
         self.distiller = Distiller(cfg.distill, plan.teacher, self.mesh, self.device, kernels, param_dtype) \
             if plan.teacher is not None else None
         if t.cuda_graphs and cfg.data.document_boundaries:
@@ -245,11 +250,12 @@ class Trainer:
 
         # the optimizer, the data, the checkpoints
         self.optimizer = build_optimizer(self.model, cfg)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg)
+        self.lr_scheduler = LRSchedule(self.optimizer, plan.lr_scheduler, cfg.training.steps)
         self.dataloader = plan.dataloader
         self.state = TrainState()
         self.job_dict = to_dict(cfg)
         self.job_dict["data"]["tokenizer"] = recorded_path(cfg.data.tokenizer)  # export/eval may run elsewhere
+        self.job_dict["lr_scheduler"] = dataclasses.asdict(plan.lr_scheduler)  # the schedule in force
         if plan.tokenizer is not None:  # what a resume compares its data.tokenizer with
             self.job_dict["tokenizer_fingerprint"] = vocabulary_fingerprint(plan.tokenizer)
         self.job_dict["data_identity"] = data_identity(cfg.data)  # what a resume compares its data with
@@ -359,6 +365,8 @@ class Trainer:
         grad_norm = clip_grad_norm_(self.model.parameters(), t.max_norm)
         # the gradient norm is already reduced over all ranks, so every rank makes the same choice
         applied = optimizer_step(self.optimizer, grad_norm)
+        if self.plan.float8 is not None:  # float8 all-gather: the next step's weight scales, in one all-reduce
+            precompute_float8_scales(self.model, self.plan.float8)
         lr = self.optimizer.param_groups[0]["lr"]
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -455,7 +463,7 @@ class Trainer:
         after_checkpoint = c.enable and step % (c.interval * e.every_checkpoints) == 0
         if not (after_checkpoint or step == self.cfg.training.steps):
             return
-        from hybridtitan.eval import evaluate_live
+        from hybridtitan.evaluation import evaluate_live
 
         start = time.perf_counter()
         results = evaluate_live(self.model, self.plan.tokenizer, e.tasks, include_path=e.include_path or None,
@@ -563,20 +571,14 @@ def main(argv: list[str] | None = None) -> None:
             print(TRAIN_USAGE + "\nerror: give a recipe (train_configs/*.toml); --help lists the keys",
                   file=sys.stderr)
         sys.exit(2)
-    try:
+    with one_line_errors():
         cfg = parse_config(argv)
         plan = preflight(cfg)
-    except ConfigError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     try:
         trainer = Trainer(cfg, plan)
     except ResumeError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
         dist.destroy_process_group()
-        sys.exit(2)
+        fail(first_error_line(e))
     finished, error, code = False, None, 0
     try:
         trainer.train()

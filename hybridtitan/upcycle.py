@@ -38,7 +38,7 @@ import sys
 
 import torch
 
-from hybridtitan.cli import OneLineParser, fail
+from hybridtitan.cli import OneLineParser, fail, one_line_errors
 from hybridtitan.errors import ConversionError
 
 MIXERS = ("mamba2", "gdn")
@@ -154,8 +154,10 @@ def gdn_from_attention(attn: dict[str, torch.Tensor], fresh: dict[str, torch.Ten
     """Gated DeltaNet weights (our names): q, k, v and o projections from the attention's (keys and values repeated
     to every head; the overlapping block where the sizes differ), everything else from ``fresh``."""
     H, KV, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
-    source = {"q_proj.weight": attn["q_proj.weight"], "k_proj.weight": repeat_heads(attn["k_proj.weight"], KV, d, H // KV),
-              "v_proj.weight": repeat_heads(attn["v_proj.weight"], KV, d, H // KV), "o_proj.weight": attn["o_proj.weight"]}
+    source = {"q_proj.weight": attn["q_proj.weight"],
+              "k_proj.weight": repeat_heads(attn["k_proj.weight"], KV, d, H // KV),
+              "v_proj.weight": repeat_heads(attn["v_proj.weight"], KV, d, H // KV),
+              "o_proj.weight": attn["o_proj.weight"]}
     out = {k: v.float().clone() for k, v in fresh.items()}
     for name, w in source.items():
         rows, cols = min(w.shape[0], out[name].shape[0]), min(w.shape[1], out[name].shape[1])
@@ -220,7 +222,8 @@ def parse_layers(text: str, n_layers: int) -> list[int]:
     try:
         layers = sorted({int(x) for x in t.split(",") if x.strip()})
     except ValueError:
-        raise ConversionError(f"--attention-layers must be comma-separated layer indices, all or none (got {text!r})") from None
+        raise ConversionError(f"--attention-layers must be comma-separated layer indices, all or none "
+                              f"(got {text!r})") from None
     bad = [i for i in layers if not 0 <= i < n_layers]
     if bad:
         raise ConversionError(f"--attention-layers: layer {bad[0]} is out of range: the Llama has {n_layers} layers "
@@ -280,7 +283,8 @@ def read_student(path: str, args, what: str) -> dict[str, torch.Tensor]:
         if kind != wanted:
             continue
         if saved.n_layers != args.n_layers or saved.pattern[i] != wanted:
-            raise ConversionError(f"{what} {path}: its sublayer {i} is not {'attention' if wanted == '*' else 'a mixer'}"
+            needed = "attention" if wanted == "*" else "a mixer"
+            raise ConversionError(f"{what} {path}: its sublayer {i} is not {needed}"
                                   f" (its pattern is {saved.pattern})")
         for j in (i, i + 1):
             mine = {k: v for k, v in expected.items() if k.startswith(f"layers.{j}.")}
@@ -428,7 +432,6 @@ def _ranks(args) -> dict:
 
 def select_main(argv: list[str]) -> None:
     a = build_select_parser().parse_args(argv)
-    from hybridtitan.checkpoint import CheckpointError
     from hybridtitan.data import Data, HeldOut, build_tokenizer
     from hybridtitan.data.config import validate_data_config
     from hybridtitan.loader import read_model, tokenizer_path
@@ -437,7 +440,7 @@ def select_main(argv: list[str]) -> None:
     if a.count < 1 or a.batches < 1 or a.batch_size < 1 or a.seq_len < 2:
         fail("--count, --batches and --batch-size must be 1 or more, --seq-len 2 or more")
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
+    with one_line_errors(ValueError):
         llama, llama_state, _ = read_model(a.teacher)
         if llama.attention != "gqa":
             raise ConversionError(f"--teacher {a.teacher} is not a Llama (grouped-query attention and MLPs)")
@@ -461,8 +464,6 @@ def select_main(argv: list[str]) -> None:
                     source=a.source or ("hf" if os.path.splitext(a.data)[1] in (".json", ".jsonl", ".txt", ".parquet")
                                         or os.path.isdir(a.data) else "megatron"))
         validate_data_config(data)
-    except (CheckpointError, ConversionError, ValueError) as e:
-        fail(str(e).splitlines()[0])
     held_out = HeldOut(data, tok, seq_len=a.seq_len, local_batch_size=a.batch_size, dp_rank=0, dp_world_size=1,
                        vocab_size=llama.vocab_size)
     batches = []
@@ -486,16 +487,12 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["select"]:
         return select_main(argv[1:])
     a = build_parser().parse_args(argv)
-    from hybridtitan.checkpoint import CheckpointError
-
     if not os.path.exists(a.model):
         fail(f"model not found: {a.model}")
-    try:
+    with one_line_errors():
         args, report = upcycle(a.model, a.output, mixer=a.mixer, attention_layers=a.attention_layers,
                                tokenizer=a.tokenizer, overwrite=a.overwrite, attention_from=a.attention_from,
                                mixers_from=a.mixers_from, seed=a.seed, **_ranks(a))
-    except (CheckpointError, ConversionError) as e:
-        fail(str(e))
     for line in report:
         print(line)
     print(f"upcycled {a.model} into {a.output}: pattern {args.pattern} ({args.mixer})")

@@ -12,7 +12,8 @@ PREFIX.manifest.json (the tokenizer and a fingerprint of its vocabulary, the EOD
 documents and tokens; marked complete last: the trainer refuses an unfinished preparation and shards of another
 tokenizer, and --resume goes on from the finished shards of one cut short), then prints the `data.path` to train
 on; with --validation N (a count, or a fraction below 1) the held-out documents
-go to PREFIX-validation.bin/.idx instead, the `validation.data.path`. Each document is one sequence of its tokens, with NO EOS: packing
+go to PREFIX-validation.bin/.idx instead, the `validation.data.path`. Each document is one sequence of its tokens,
+with NO EOS: packing
 (hybridtitan/data/packing.py) appends EOS after every document, for this data and for text tokenized on the
 fly alike. Empty documents are left out. Without --streaming the dataset is downloaded (FineWeb-Edu sample-10BT:
 about 30 GB) and its tokens are cached by datasets (4 bytes a token) before the shards (2 bytes a token for
@@ -29,12 +30,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
+from hybridtitan.cli import fail as _fail  # noqa: E402
+from hybridtitan.data import manifest  # noqa: E402
 from hybridtitan.data.config import Data  # noqa: E402
 from hybridtitan.data.megatron import MegatronWriter  # noqa: E402
 from hybridtitan.data.sources import load_hf_dataset  # noqa: E402
-from hybridtitan.data import manifest  # noqa: E402
 from hybridtitan.data.tokenizer import build_tokenizer, encode_batch, eos_id, vocabulary_fingerprint  # noqa: E402
-from hybridtitan.cli import fail as _fail  # noqa: E402
 
 BATCH = 1000
 

@@ -8,7 +8,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # shellcheck disable=SC1091
 source .venv/bin/activate
-if ! python -c "import hybridtitan, torch, fla, lm_eval, xdist, matplotlib, accelerate" 2>/dev/null; then
+if ! python -c "import hybridtitan, torch, fla, lm_eval, xdist, matplotlib, accelerate, torchao" 2>/dev/null \
+    || ! python -m ruff --version >/dev/null 2>&1; then
   echo "setting up .venv (torch 2.13.0 CPU + hybridtitan and its dependencies)..."
   # (the grep drops pip's notes about package-index folders this machine's pip.conf names but lacks)
   python -m pip install -q --disable-pip-version-check torch==2.13.0 2> >(grep -v "is ignored: it is neither" >&2)

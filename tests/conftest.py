@@ -34,11 +34,12 @@ def pytest_configure(config):
 # The longest tests (minutes, each a multi-process training run), started first: with `-n 2` (run_tests.sh,
 # pytest-xdist) the short tests then run beside them instead of after them.
 LONGEST_FIRST = ("test_docs.py::test_shell_blocks_run[docs/getting-started.md]",
-                 "test_docs.py::test_shell_blocks_run[README.md]", "test_train.py::test_debug_recipe_trains_validates_and_evaluates",
+                 "test_docs.py::test_shell_blocks_run[README.md]",
+                 "test_train.py::test_debug_recipe_trains_validates_and_evaluates",
                  "test_checkpoint.py::test_exact_resume_and_reshard",
                  "test_cluster.py::test_two_nodes_equal_one_node_and_checkpoints_change_layout",
                  "test_slurm.py::test_preempted_job_saves_requeues_itself_and_resumes_exactly",
-                 "test_install.py::test_plain_install_runs_every_cpu_tool_but_the_trainer")
+                 "test_install.py::test_plain_install_runs_every_cpu_tool")
 
 
 def pytest_collection_modifyitems(config, items):

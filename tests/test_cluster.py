@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 import torch
-from helpers import QUICK, RECIPE, ROOT, env, losses, run_train
 
+from helpers import QUICK, RECIPE, ROOT, env, losses, run_train
 from hybridtitan.checkpoint import complete_steps, load_model
 
 HERE = Path(__file__).resolve()
@@ -129,7 +129,8 @@ def checkpoint_state(step_dir: Path, tmp: Path) -> dict:
 
 
 def assert_resumed_exactly(resumed: Path, step_dir: Path, tmp: Path) -> None:
-    """The model and optimizer a run resumed with (written by this file's trainer) equal the checkpoint's, bit for bit."""
+    """The model and optimizer a run resumed with (written by this file's trainer) equal the checkpoint's, bit for
+    bit."""
     got, saved = torch.load(resumed, weights_only=False), checkpoint_state(step_dir, tmp)
     for part in ("model", "optimizer"):
         assert got[part].keys() == saved[part].keys(), part

@@ -8,10 +8,9 @@ import subprocess
 import sys
 
 import pytest
+
 from helpers import RECIPE, ROOT, env, main_error
-
 from hybridtitan import train
-
 
 BAD_TOML = {
     "syntax": "[training\nsteps = 3\n",
@@ -115,26 +114,60 @@ def test_bad_input_subprocess_no_traceback(tmp_path):
 def test_help_lists_the_supported_keys(capsys):
     """--help: hybridtitan's keys with their own descriptions, torchtitan's refused options left out."""
     from hybridtitan import describe
-    from hybridtitan.config import SUPPORTED_TITAN_KEYS, known_keys
+    from hybridtitan.config import known_keys
 
     with pytest.raises(SystemExit) as exc:
         train.main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
     listed = {line.split()[0][2:] for line in out.splitlines() if line.startswith("  --")}
-    assert listed <= set(known_keys())  # every key listed is one the parser knows
-    for section, keys in SUPPORTED_TITAN_KEYS.items():
-        assert {f"{section}.{k}" for k in keys} <= listed
+    model_sizes = {k for k in known_keys() if k.count(".") == 2 and k.startswith("model.")}
+    assert listed == set(known_keys())  # every key the parser knows, and only those
+    assert model_sizes and model_sizes <= listed
     assert {"training.loss_chunk_size", "data.document_boundaries", "model.pattern", "model.mla.kv_lora_rank",
             "checkpoint.last_save_model_only"} <= listed
     assert not {"parallelism.tensor_parallel_degree", "training.dataset", "job.custom_config_module"} & listed
-    assert not any(key.startswith(("quantize.", "fault_tolerance.")) for key in listed)
+    assert not any(key.startswith(("quantize.linear.mx.", "quantize.grouped_mm.", "fault_tolerance."))
+                   for key in listed)
+    assert "quantize.linear.float8.recipe_name" in listed
     assert {"validation.enable", "validation.freq", "validation.data.path", "eval.tasks"} <= listed
     assert "Tokens per chunk of the fused linear cross-entropy" in out  # the docstring of a merged-in key
     assert "--checkpoint.async_mode (disabled or async;" in out  # not torchtitan's async_with_pinned_mem
     with pytest.raises(SystemExit) as exc:
         describe.main(["--help"])
     assert exc.value.code == 0 and "python -m hybridtitan.describe --list" in capsys.readouterr().out
+
+
+def test_schema_keeps_torchtitans_names_types_and_defaults():
+    """The recipe schema is hybridtitan's own (hybridtitan.job_config), with torchtitan 0.2.2's sections, and its
+    names, types and defaults where torchtitan has the key; every other key of torchtitan's is in TITAN_OPTIONS
+    with torchtitan's type and default (refused when set to anything else)."""
+    import typing
+    from dataclasses import fields, is_dataclass
+
+    from torchtitan.config import JobConfig as TitanJobConfig
+
+    from hybridtitan.job_config import TITAN_OPTIONS, JobConfig
+
+    def keys(cls, prefix=""):
+        out, defaults, hints = {}, cls(), typing.get_type_hints(cls)
+        for f in fields(cls):
+            tp = hints[f.name]
+            if is_dataclass(tp):
+                out.update(keys(tp, f"{prefix}{f.name}."))
+            else:
+                out[f"{prefix}{f.name}"] = (tp, getattr(defaults, f.name))
+        return out
+
+    ours, theirs = keys(JobConfig), keys(TitanJobConfig)
+    shared = set(ours) & set(theirs)
+    assert len(shared) == 68, sorted(shared)  # torchtitan's keys the trainer reads
+    # hybridtitan's own meaning and default
+    overridden = {"model.name", "model.flavor", "validation.enable", "validation.freq", "validation.steps",
+                  "validation.local_batch_size", "validation.seq_len", "checkpoint.last_save_model_only"}
+    for key in shared - overridden:
+        assert ours[key] == theirs[key], key
+    assert TITAN_OPTIONS == {key: value for key, value in theirs.items() if key not in ours}
 
 
 def test_config_reference_is_current():

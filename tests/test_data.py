@@ -3,6 +3,7 @@ Everything is built in tmp folders (a tiny BPE tokenizer, tiny jsonl files): no 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -101,8 +102,7 @@ def loader_for(kind: str, tok, corpus, megatron_prefix, *, rank=0, world=1, seed
            "hf-stream": Data(source="hf", path=corpus["train"], streaming=True, shuffle=False),
            "megatron": Data(source="megatron", path=megatron_prefix),
            "mock": Data(source="mock")}[kind]
-    for k, v in data.items():
-        setattr(cfg, k, v)
+    cfg = dataclasses.replace(cfg, **data)
     return build_dataloader(cfg, tok, seq_len=seq_len, local_batch_size=batch, dp_rank=rank, dp_world_size=world,
                             seed=seed, vocab_size=512)
 

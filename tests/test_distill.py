@@ -10,8 +10,8 @@ import shutil
 
 import pytest
 import torch
-from helpers import QUICK, main_error, records, run_train, state
 
+from helpers import QUICK, main_error, records, run_train, state
 from hybridtitan.ops.distill import kl_chunk, layer_distance, linear_kl_div
 
 STUDENT = ["--model.flavor", "debug_llama_upcycled"]

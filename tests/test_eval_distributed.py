@@ -44,7 +44,8 @@ def worker(checkpoint: str, out_dir: str) -> None:
     from lm_eval.api.instance import Instance
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from hybridtitan.eval import HybridTitanLM, evaluate_live, load_for_eval
+    from hybridtitan.evaluation import HybridTitanLM, evaluate_live
+    from hybridtitan.loader import load
     from hybridtitan.parallel import DataParallel, build_mesh
     from hybridtitan.train import build_parallel_model
 
@@ -53,7 +54,7 @@ def worker(checkpoint: str, out_dir: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     report: dict = {"rank": rank}
 
-    plain, tok, _ = load_for_eval(checkpoint)
+    plain, tok, _ = load(checkpoint)
     plain.train()
     random.seed(5), np.random.seed(5), torch.manual_seed(5)
     before = (random.random(), np.random.rand(), torch.rand(1).item())

@@ -35,9 +35,8 @@ from test_export_hf import FLAVORS, train_debug_checkpoints  # the session's tra
 
 REPO = Path(__file__).resolve().parents[1]
 # what the entry points may import at their top level besides torch and transformers (transformers imports each
-# one before it runs the folder's code: a missing package there fails the load)
-STDLIB = {"__future__", "collections", "contextlib", "dataclasses", "functools", "importlib", "logging", "math",
-          "os", "shutil"}
+# one before it runs the folder's code: a package outside the standard library there fails the load)
+STDLIB = set(sys.stdlib_module_names)
 
 
 @pytest.fixture(scope="session")

@@ -161,7 +161,7 @@ def test_gdn_backend_pinned_to_triton_or_flash_qla(monkeypatch, caplog):
     assert triton is inspect.unwrap(dispatched) and not hasattr(triton, "__wrapped__")
     assert triton.__code__.co_filename.endswith("fla/ops/gated_delta_rule/chunk.py")
     calls, args = _gdn_call_recorder(monkeypatch)
-    monkeypatch.setattr(fla_backend, "_told", set())
+    monkeypatch.setattr(fla_backend, "_logged_kernels", set())
     with caplog.at_level(logging.INFO, logger="hybridtitan"):
         fla_backend.gated_delta_rule(*args, backend="flash_qla")
         fla_backend.gated_delta_rule(*args, backend="flash_qla")

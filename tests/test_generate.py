@@ -8,8 +8,8 @@ import json
 import os
 import pty
 import select
-import signal
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -32,13 +32,13 @@ def trained(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def loaded(trained, tmp_path_factory):
     """flavor -> (HybridLM of the DCP checkpoint, tokenizer, its float32 export folder)."""
-    from hybridtitan.eval import load_for_eval
     from hybridtitan.export_hf import export
+    from hybridtitan.loader import load
 
     base = tmp_path_factory.mktemp("generate_exports")
     out = {}
     for flavor in FLAVORS:
-        model, tok, _ = load_for_eval(str(trained[flavor]))
+        model, tok, _ = load(str(trained[flavor]))
         export(str(trained[flavor]), str(base / flavor), dtype="float32")
         out[flavor] = (model.eval(), tok, base / flavor)
     return out
@@ -235,7 +235,8 @@ def test_bad_input_is_one_line(loaded, trained, tmp_path, capsys):
     expect(["--checkpoint", str(tmp_path / "empty"), *ok], "is not a checkpoint")
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "config.json").write_text("{}")
-    expect(["--checkpoint", str(tmp_path / "foreign"), *ok], "model_type None is none of llama, gated_deltanet, kda and hybridtitan")
+    expect(["--checkpoint", str(tmp_path / "foreign"), *ok],
+           "model_type None is none of llama, gated_deltanet, kda and hybridtitan")
     expect(["--checkpoint", hf, "--step", "2", *ok], "is a Hugging Face folder")
     expect(["--checkpoint", dcp, "--step", "5", *ok], "step 5 not found")
     expect(["--checkpoint", dcp, "--tokenizer", str(tmp_path / "no_tok"), *ok], "no such folder")

@@ -137,4 +137,5 @@ def test_export_of_a_hybrid_is_not_a_llama(tmp_path):
     model.init_weights()
     save_model_checkpoint(model, str(tmp_path / "step-0"))
     with pytest.raises(ConversionError, match=r"--format llama: a Llama folder holds grouped-query attention"):
-        export(str(tmp_path / "step-0"), str(tmp_path / "out"), format="llama", tokenizer="hybridtitan/assets/tokenizer")
+        export(str(tmp_path / "step-0"), str(tmp_path / "out"), format="llama",
+               tokenizer="hybridtitan/assets/tokenizer")

@@ -5,8 +5,14 @@ import math
 
 import pytest
 import torch
-from fla.models import (GatedDeltaNetConfig, GatedDeltaNetForCausalLM, KDAConfig, KDAForCausalLM, Mamba2Config,
-                        Mamba2ForCausalLM)
+from fla.models import (
+    GatedDeltaNetConfig,
+    GatedDeltaNetForCausalLM,
+    KDAConfig,
+    KDAForCausalLM,
+    Mamba2Config,
+    Mamba2ForCausalLM,
+)
 
 from hybridtitan.models import FLAVORS, GDNArgs, InferenceCache, KDAArgs, ModelArgs, build_model, get_flavor
 
@@ -195,7 +201,7 @@ def test_packed_documents_are_isolated(name, dtype):
         for s, e in zip(PACKED_CU[:-1], PACKED_CU[1:]):
             alone = model(flat[s:e].unsqueeze(0))[0]
             torch.testing.assert_close(packed[s:e], alone, rtol=1e-5, atol=1e-5,
-                                       msg=lambda m: f"{name} document [{s}, {e}): {m}")
+                                       msg=lambda m, s=s, e=e: f"{name} document [{s}, {e}): {m}")
         # the isolation matters: without cu_seqlens, the second document of row 0 reads the first
         unpacked = model(ids).reshape(ROWS * ROW_LEN, -1)
         assert (unpacked[11:48] - packed[11:48]).abs().max() > 1e-3

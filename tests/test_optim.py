@@ -1,5 +1,5 @@
 """The optimizer: clipping and the update over FSDP's sharded parameters (2 gloo processes), and the schedule,
-torchtitan's warm-up and decay held at its floor past its end."""
+torchtitan's warm-up and decay (compared with torchtitan's own) held at its floor past its end."""
 
 from __future__ import annotations
 
@@ -8,46 +8,72 @@ import sys
 
 import pytest
 import torch
+
 from helpers import RECIPE, env
 
 
-def test_lr_schedule_held_at_its_floor_past_its_end():
-    """Past lr_scheduler.total_steps torchtitan's decay goes on below lr * min_lr_factor, to negative rates; ours
-    holds the floor there and is torchtitan's schedule everywhere else (warm-up included)."""
+def _rates(build, steps: int = 30):
+    """The learning rate of each of ``steps`` updates under the schedule ``build(optimizer)`` makes."""
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = build(opt)
+    out = []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out, sched
+
+
+@pytest.mark.parametrize("decay_type", ["linear", "sqrt", "cosine"])
+@pytest.mark.parametrize("shape", [("4", None, None), ("0", None, "0.3"), ("3", "0.5", None), ("20", None, None)],
+                         ids=["warmup-decay", "no-warmup-floor", "wsd", "warmup-past-total"])
+def test_lr_schedule_is_torchtitans_within_its_end(decay_type, shape):
+    """Within lr_scheduler.total_steps the schedule's rates are torchtitan 0.2.2's (its settings: warm-up, decay
+    type, decay_ratio, min_lr_factor, a warm-up longer than the schedule), and so is its checkpoint state."""
     from torchtitan.components.lr_scheduler import build_lr_schedulers
 
     from hybridtitan.config import parse_config
-    from hybridtitan.optim import build_lr_scheduler
+    from hybridtitan.lr_schedule import build_lr_scheduler
 
-    cfg = parse_config(["--job.config_file", RECIPE, "--training.steps", "30", "--lr_scheduler.total_steps", "12",
-                        "--lr_scheduler.warmup_steps", "4", "--lr_scheduler.min_lr_factor", "0.1",
-                        "--lr_scheduler.decay_type", "linear"], check_data=False)
+    warmup, ratio, floor = shape
+    args = ["--job.config_file", RECIPE, "--training.steps", "12", "--lr_scheduler.warmup_steps", warmup,
+            "--lr_scheduler.decay_type", decay_type]
+    args += ["--lr_scheduler.decay_ratio", ratio] if ratio else []
+    args += ["--lr_scheduler.min_lr_factor", floor] if floor else []
+    cfg = parse_config(args, check_data=False)
+    ours, sched = _rates(lambda opt: build_lr_scheduler(opt, cfg), 12)
+    titan, titan_sched = _rates(lambda opt: build_lr_schedulers([opt], cfg.lr_scheduler, cfg.training.steps), 12)
+    assert ours == pytest.approx(titan, rel=1e-12, abs=1e-15)
+    assert len(set(ours)) > 1 or warmup == "20"
+    assert sched.state_dict() == titan_sched.state_dict()
 
-    def rates(build):
-        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-        sched = build(opt)
-        out = []
-        for _ in range(30):
-            out.append(opt.param_groups[0]["lr"])
-            opt.step()
-            sched.step()
-        return out, sched
 
-    ours, sched = rates(lambda opt: build_lr_scheduler(opt, cfg))
-    titan, _ = rates(lambda opt: build_lr_schedulers([opt], cfg.lr_scheduler, cfg.training.steps))
-    assert min(titan) < 0  # what is fixed
-    assert ours[:12] == titan[:12] and ours[0] == pytest.approx(0.25)  # warm-up from lr/4, decay as torchtitan's
-    assert ours[12:] == [pytest.approx(0.1)] * 18
-    state = sched.state_dict()
-    assert state["lr_lambdas"] == [{}]  # nothing of the wrapper in checkpoints
+def test_lr_schedule_held_at_its_floor_past_its_end():
+    """Past lr_scheduler.total_steps torchtitan's decay goes on below lr * min_lr_factor, to negative rates (its
+    cosine back up); ours holds the floor there."""
+    from torchtitan.components.lr_scheduler import build_lr_schedulers
+
+    from hybridtitan.config import parse_config
+    from hybridtitan.lr_schedule import build_lr_scheduler
+
+    for decay_type in ("linear", "cosine"):
+        cfg = parse_config(["--job.config_file", RECIPE, "--training.steps", "30", "--lr_scheduler.total_steps",
+                            "12", "--lr_scheduler.warmup_steps", "4", "--lr_scheduler.min_lr_factor", "0.1",
+                            "--lr_scheduler.decay_type", decay_type], check_data=False)
+        ours, sched = _rates(lambda opt, cfg=cfg: build_lr_scheduler(opt, cfg))
+        titan, _ = _rates(lambda opt, cfg=cfg: build_lr_schedulers([opt], cfg.lr_scheduler, cfg.training.steps))
+        assert min(titan) < 0.1 or max(titan[12:]) > 0.1  # what is fixed: below the floor, or back up
+        assert ours[:12] == pytest.approx(titan[:12]) and ours[0] == pytest.approx(0.25)
+        assert ours[12:] == [pytest.approx(0.1)] * 18
+        assert sched.state_dict()["lr_lambdas"] == [{}]  # nothing of the factor function in checkpoints
     # a schedule left no decay steps (a warm-up as long as the schedule): flat past its end, where torchtitan's
     # fails an assertion
     flat = parse_config(["--job.config_file", RECIPE, "--training.steps", "30", "--lr_scheduler.total_steps", "12",
                          "--lr_scheduler.warmup_steps", "12"], check_data=False)
-    ours, _ = rates(lambda opt: build_lr_scheduler(opt, flat))
+    ours, _ = _rates(lambda opt: build_lr_scheduler(opt, flat))
     assert ours[11:] == [pytest.approx(1.0)] * 19
     with pytest.raises(AssertionError):
-        rates(lambda opt: build_lr_schedulers([opt], flat.lr_scheduler, flat.training.steps))
+        _rates(lambda opt: build_lr_schedulers([opt], flat.lr_scheduler, flat.training.steps))
 
 
 # Run by test_clipping_and_update_over_shards on 2 processes: the trainer's clipping and optimizer update against

@@ -10,7 +10,6 @@ import sys
 import time
 
 from helpers import QUICK, RECIPE, ROOT, env, losses
-
 from hybridtitan.checkpoint import complete_steps
 
 

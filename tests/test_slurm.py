@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import QUICK, RECIPE, ROOT, env, losses, run_train
 
+from helpers import QUICK, RECIPE, ROOT, env, losses, run_train
 from hybridtitan.checkpoint import complete_steps
 
 SLURM = ROOT / "tests" / "slurm"

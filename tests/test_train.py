@@ -11,8 +11,8 @@ import time
 
 import pytest
 import torch
-from helpers import QUICK, RECIPE, ROOT, env, losses, records, run_train, state
 
+from helpers import QUICK, RECIPE, ROOT, env, losses, records, run_train, state
 from hybridtitan.checkpoint import complete_steps
 
 

@@ -25,8 +25,10 @@ from hybridtitan.upcycle import (
 def attention_weights(gqa, dim, seed=0):
     g = torch.Generator().manual_seed(seed)
     H, KV, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
-    return {"q_proj.weight": torch.randn(H * d, dim, generator=g), "k_proj.weight": torch.randn(KV * d, dim, generator=g),
-            "v_proj.weight": torch.randn(KV * d, dim, generator=g), "o_proj.weight": torch.randn(dim, H * d, generator=g)}
+    return {"q_proj.weight": torch.randn(H * d, dim, generator=g),
+            "k_proj.weight": torch.randn(KV * d, dim, generator=g),
+            "v_proj.weight": torch.randn(KV * d, dim, generator=g),
+            "o_proj.weight": torch.randn(dim, H * d, generator=g)}
 
 
 @pytest.mark.parametrize("rank", [1, 7, 40, 64])
@@ -71,7 +73,8 @@ def test_mla_from_attention_factors_reproduce_the_projections():
     def parts(out):
         kv_rank = out["kv_up_proj.weight"].shape[1]
         kv = (out["kv_up_proj.weight"] @ out["kv_down_proj.weight"][:kv_rank]).view(H, len(nope) + d, -1)
-        return out["q_up_proj.weight"] @ out["q_down_proj.weight"], kv[:, : len(nope)], kv[:, len(nope):].reshape(H * d, -1)
+        q = out["q_up_proj.weight"] @ out["q_down_proj.weight"]
+        return q, kv[:, : len(nope)], kv[:, len(nope):].reshape(H * d, -1)
 
     full = dataclasses.replace(mla, q_lora_rank=llama.dim, kv_lora_rank=llama.dim)
     out, kept = mla_from_attention(attn, gqa, full)
@@ -121,8 +124,9 @@ def test_mamba2_and_gdn_take_the_attention_projections():
              if k.startswith("layers.0.mixer.")}
     out = gdn_from_attention(attn, fresh, gqa)
     assert torch.equal(out["q_proj.weight"], attn["q_proj.weight"])
-    assert torch.equal(out["k_proj.weight"], attn["k_proj.weight"].view(KV, d, -1).repeat_interleave(H // KV, 0).reshape(H * d, -1))
-    assert torch.equal(out["v_proj.weight"], attn["v_proj.weight"].view(KV, d, -1).repeat_interleave(H // KV, 0).reshape(H * d, -1))
+    for name in ("k_proj.weight", "v_proj.weight"):
+        expanded = attn[name].view(KV, d, -1).repeat_interleave(H // KV, 0).reshape(H * d, -1)
+        assert torch.equal(out[name], expanded), name
     assert torch.equal(out["o_proj.weight"], attn["o_proj.weight"])
     for name in ("a_proj.weight", "b_proj.weight", "g_proj.weight", "q_conv1d.weight", "A_log", "dt_bias"):
         assert torch.equal(out[name], fresh[name]), name

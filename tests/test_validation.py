@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from helpers import QUICK, losses, records, run_train, state
 
 HELD_OUT = ["--validation.enable", "true", "--validation.freq", "3", "--validation.data.path",

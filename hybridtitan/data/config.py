@@ -15,7 +15,7 @@ COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 GLOB_CHARS = "*?["
 
 
-@dataclass
+@dataclass(frozen=True)
 class Data:
     tokenizer: str = "hybridtitan/assets/tokenizer"
     """Tokenizer: a local Hugging Face tokenizer folder, or a hub name when online"""

@@ -124,7 +124,7 @@ class MegatronWriter:
             f.write(document_indices.tobytes(order="C"))
         os.replace(self.prefix + ".idx.tmp", self.prefix + ".idx")
 
-    def __enter__(self) -> "MegatronWriter":
+    def __enter__(self) -> MegatronWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -109,5 +109,5 @@ class HybridTitanConfig(PreTrainedConfig):
         write_model_code(save_directory)
 
     @classmethod
-    def from_model_args(cls, args: ModelArgs, **kwargs) -> "HybridTitanConfig":
+    def from_model_args(cls, args: ModelArgs, **kwargs) -> HybridTitanConfig:
         return cls(model_args=model_args_to_dict(args), **kwargs)

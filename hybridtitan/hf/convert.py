@@ -189,36 +189,6 @@ def model_args_from_fla_config(cfg: dict) -> ModelArgs:
 # ------------------------------------------------------------------------------------------ reading a DCP folder
 
 
-def read_dcp_model_state(step_dir: str, args: ModelArgs) -> dict[str, torch.Tensor]:
-    """The model tensors of a DCP step folder, under HybridLM's names, in their stored dtype, read straight from
-    the folder (no model is built). CheckpointError if the folder lacks a tensor or disagrees with model_args."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    try:
-        metadata = dcp.FileSystemReader(step_dir).read_metadata()
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 -- a partial or foreign folder: one line
-        raise CheckpointError(f"cannot read the checkpoint metadata of {step_dir}: {first_error_line(e)}") from None
-    stored = {k[len("model."):]: v for k, v in metadata.state_dict_metadata.items()
-              if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
-    expected = {k: tuple(v.shape) for k, v in build_model(args, "meta").state_dict().items()}
-    missing = sorted(set(expected) - set(stored))
-    if missing:
-        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise CheckpointError(f"{step_dir} lacks model tensor {missing[0]}{more} that its model_args.json implies")
-    for key, shape in expected.items():
-        if tuple(stored[key].size) != shape:
-            raise CheckpointError(f"{step_dir}: tensor {key} has shape {tuple(stored[key].size)}, but model_args.json "
-                                  f"implies {shape}")
-    state = {k: torch.empty(tuple(stored[k].size), dtype=stored[k].properties.dtype) for k in expected}
-    try:
-        dcp.load({"model": state}, checkpoint_id=step_dir, no_dist=True)
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 -- CheckpointException is a BaseException
-        raise CheckpointError(f"cannot read the model from {step_dir}: {first_error_line(e)}") from None
-    return state
-
-
 def model_from_state(args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                      device: str | torch.device = "cpu", source: str = "") -> HybridLM:
     model = build_model(args, "meta")
@@ -227,7 +197,8 @@ def model_from_state(args: ModelArgs, state: dict[str, torch.Tensor], dtype: tor
         model.load_state_dict(state, strict=True)
     except RuntimeError as e:
         detail = " ".join(str(e).split())
-        raise ConversionError(f"the weights{' of ' + source if source else ''} do not fit the model: {detail[:300]}") from None
+        of = f" of {source}" if source else ""
+        raise ConversionError(f"the weights{of} do not fit the model: {detail[:300]}") from None
     return model.to(dtype)
 
 
@@ -332,7 +303,8 @@ def read_hf_model(folder: str) -> tuple[ModelArgs, dict[str, torch.Tensor], str]
     if not os.path.isdir(folder):
         raise ConversionError(f"model folder not found: {folder}")
     if not is_hf_folder(folder):
-        dcp_like = os.path.isfile(os.path.join(folder, ".metadata")) or os.path.isdir(os.path.join(folder, "checkpoint"))
+        dcp_like = (os.path.isfile(os.path.join(folder, ".metadata"))
+                    or os.path.isdir(os.path.join(folder, "checkpoint")))
         hint = " -- it looks like a DCP checkpoint, which needs no import" if dcp_like else ""
         raise ConversionError(f"{folder} is not a Hugging Face model folder (no config.json){hint}")
     cfg = read_hf_config(folder)

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import re
 
-from hybridtitan.models import GQAArgs, ModelArgs
-
 from hybridtitan.errors import ConversionError
+from hybridtitan.models import GQAArgs, ModelArgs
 
 LLAMA_MODEL_TYPE = "llama"
 

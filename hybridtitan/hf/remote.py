@@ -43,7 +43,7 @@ FLAT = {module_name(p): ENTRY_POINTS.get(p, module_name(p).replace(".", "_")) fo
 FILES = tuple(f"{FLAT[module_name(p)]}.py" for p in MODULES)
 
 
-class BundleError(ValueError):
+class BundleError(RuntimeError):
     """A module of the export imports hybridtitan code that the export does not carry."""
 
 

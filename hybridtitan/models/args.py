@@ -174,7 +174,7 @@ class ModelArgs:
             if mla.qk_rope_head_dim % 2:
                 raise ValueError(f"model.mla.qk_rope_head_dim must be even, got {mla.qk_rope_head_dim}")
 
-    def replace(self, **changes) -> "ModelArgs":
+    def replace(self, **changes) -> ModelArgs:
         return dataclasses.replace(self, **changes)
 
 

@@ -64,15 +64,24 @@ class ShortConvolution(nn.Module):
         return fused_short_conv(x, [self], cu_seqlens, cache, key)[0]
 
 
+def is_plain_linear(layer: nn.Module) -> bool:
+    """An nn.Linear itself, whose weight a fused product may read; a subclass swapped in from outside (float8
+    training's Float8Linear, hybridtitan.float8) computes its own product and is called as a module."""
+    return type(layer) is nn.Linear
+
+
 def fused_linear(x: torch.Tensor, *groups: nn.Linear | tuple[nn.Linear, ...]) -> list[torch.Tensor]:
     """The outputs of several bias-free projections of the same input, from one matrix product; a tuple of
     projections comes back as one tensor (their outputs side by side).
 
     The projections stay separate parameters (their names and shapes are the published layouts'); one product
     instead of several small ones saves kernel launches and reads x once (a mixer's 1-wide gate projections
-    alone would be two launches that barely use the GPU)."""
+    alone would be two launches that barely use the GPU). Where one of them is not a plain nn.Linear, each is
+    called as itself."""
     groups = [g if isinstance(g, tuple) else (g,) for g in groups]
     layers = [layer for g in groups for layer in g]
+    if not all(map(is_plain_linear, layers)):
+        return [torch.cat([layer(x) for layer in g], dim=-1) if len(g) > 1 else g[0](x) for g in groups]
     weight = torch.cat([layer.weight for layer in layers]) if len(layers) > 1 else layers[0].weight
     return list(F.linear(x, weight).split([sum(layer.out_features for layer in g) for g in groups], dim=-1))
 
@@ -106,7 +115,9 @@ class SwiGLU(nn.Module):
         # Two products, not one over the concatenated weights (fused_linear): the backward pass of that split
         # would concatenate the gate and up gradients, [tokens, 2 x hidden_dim], the largest copy of a step,
         # while the two products are each large enough to run at full speed.
-        gate, up = F.linear(x, self.gate_proj.weight), F.linear(x, self.up_proj.weight)
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if not is_plain_linear(self.down_proj):  # a Float8Linear computes its own product (is_plain_linear)
+            return self.down_proj(F.silu(gate) * up)
         # the product silu(gate) * up is not kept for the backward pass (ops.swiglu_linear)
         return self.ops.swiglu_linear(gate, up, self.down_proj.weight)
 

@@ -77,7 +77,8 @@ class MultiLatentAttention(nn.Module):
         if cache is not None:
             c_kv, k_rope = extend_cache(cache, c_kv=c_kv, k_rope=k_rope)
         S = c_kv.shape[1]
-        kv = self.kv_up_proj(self.kv_norm(c_kv) if a.latent_norm else c_kv).view(B, S, H, a.qk_nope_head_dim + a.v_head_dim)
+        latent = self.kv_norm(c_kv) if a.latent_norm else c_kv
+        kv = self.kv_up_proj(latent).view(B, S, H, a.qk_nope_head_dim + a.v_head_dim)
         k_nope, v = kv.split([a.qk_nope_head_dim, a.v_head_dim], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(B, S, H, a.qk_rope_head_dim)], dim=-1)

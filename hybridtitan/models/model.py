@@ -116,7 +116,7 @@ class InferenceCache:
         return self.layers[i]
 
     @staticmethod
-    def stack(caches: list["InferenceCache"]) -> "InferenceCache":
+    def stack(caches: list[InferenceCache]) -> InferenceCache:
         """One batched cache from the caches of rows decoded apart (prompts of other lengths, each fed alone so
         that no padding enters a recurrent state, a convolution window or attention): the states stacked, the
         attention's cached sequences of other lengths left-padded with a ``key_mask`` of the real positions, which

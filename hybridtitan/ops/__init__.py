@@ -298,7 +298,8 @@ class Kernels:
         on_gpu = self.backend_for(hidden) == "fla"
         if (on_gpu and self.config.fla_kl and temperature == 1 and torch.is_grad_enabled()
                 and (hidden.requires_grad or weight.requires_grad)):
-            h, th, t = hidden.reshape(-1, hidden.shape[-1]), t_hidden.reshape(-1, t_hidden.shape[-1]), targets.reshape(-1)
+            h, th = hidden.reshape(-1, hidden.shape[-1]), t_hidden.reshape(-1, t_hidden.shape[-1])
+            t = targets.reshape(-1)
             valid = t != ignore_index
             kl = _fla().kl_div(h, weight, th.to(h.dtype), t_weight.to(weight.dtype), valid)
             loss, ce = kl_weight * kl, torch.zeros((), device=h.device)

@@ -83,14 +83,14 @@ def limit_num_stages(limits: dict, max_stages: int) -> int:
 if torch.version.hip:
     limit_num_stages(ROCM_STAGE_LIMITS, ROCM_MAX_STAGES)
 
-_told: set[str] = set()
+_logged_kernels: set[str] = set()  # the ops whose kernel this process has named in its log
 
 
-def _tell(op: str, what: str) -> None:
-    """Says once per process which kernel runs an op (the log of rank 0)."""
-    if op not in _told:
-        _told.add(op)
-        logger.info(f"{op}: {what}")
+def log_kernel_choice(op: str, kernel: str) -> None:
+    """Names once per process the kernel that runs an op (the log of rank 0)."""
+    if op not in _logged_kernels:
+        _logged_kernels.add(op)
+        logger.info(f"{op}: {kernel}")
 
 
 def _decoding(q: torch.Tensor) -> bool:
@@ -140,10 +140,10 @@ def gated_delta_rule(*args, backend: str = "triton"):
     gate_outside = backend == "flash_qla" or bool(torch.version.hip)
     chunk_fn = chunk_gated_delta_rule if backend == "flash_qla" else _triton_chunk_gated_delta_rule
     if backend == "flash_qla":
-        _tell("gated_delta_rule", _flash_qla_verdict(*args))
+        log_kernel_choice("gated_delta_rule", _flash_qla_verdict(*args))
     else:
-        _tell("gated_delta_rule", "FLA's Triton kernels" + (" (the gate in float32 outside the kernel, ROCm)"
-                                                           if gate_outside else ""))
+        where = " (the gate in float32 outside the kernel, ROCm)" if gate_outside else ""
+        log_kernel_choice("gated_delta_rule", "FLA's Triton kernels" + where)
     return _delta_rule("gdn", chunk_fn, fused_recurrent_gated_delta_rule, *args, gate_outside=gate_outside)
 
 
@@ -160,7 +160,7 @@ def _flash_qla_verdict(q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state,
 
 
 def kda(*args):
-    _tell("kda", f"FLA's Triton kernels, chunks of {CHUNK_SIZE['kda']}")
+    log_kernel_choice("kda", f"FLA's Triton kernels, chunks of {CHUNK_SIZE['kda']}")
     return _delta_rule("kda", chunk_kda, fused_recurrent_kda, *args)
 
 
@@ -174,7 +174,7 @@ MIN_TRAINED_HEAD_DIM = 64
 
 
 def simple_gla(q, k, v, g, scale, cu_seqlens, initial_state, output_final_state):
-    _tell("simple_gla", "FLA's Triton kernels (Mamba2's SSD)")
+    log_kernel_choice("simple_gla", "FLA's Triton kernels (Mamba2's SSD)")
     decoding = _decoding(q)
     fn = fused_recurrent_simple_gla if decoding else chunk_simple_gla
     key_dim, value_dim = q.shape[-1], v.shape[-1]

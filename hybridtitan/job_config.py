@@ -1,0 +1,616 @@
+"""The recipe's schema: every section and key the trainer reads, with its type, default and meaning.
+
+A recipe (train_configs/*.toml) sets these and the command line overrides them (hybridtitan.config reads both
+into a JobConfig). The sections and the names, types and defaults of their keys are torchtitan 0.2.2's where
+torchtitan has the key, so a torchtitan user's recipe reads the same; the keys of torchtitan's that hybridtitan
+does not implement are listed in TITAN_OPTIONS and refused when set to anything but their default, rather than
+silently ignored. Each field's docstring is its description in ``--help`` and docs/config-reference.md.
+
+The sections are frozen: a JobConfig is decided once, by hybridtitan.config (the recipe and the command line) and
+preflight (what follows from them), and is a value after that.
+
+(No ``from __future__ import annotations`` here: the field types must stay real types, the recipe checks read
+them.)
+"""
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Literal
+
+from hybridtitan.data.config import Data
+from hybridtitan.models import GDNArgs, GQAArgs, KDAArgs, Mamba2Args, MLAArgs
+
+
+def _overrides_of(cls, doc: str):
+    """A dataclass with the fields of ``cls``, each optional (None: keep the flavor's value)."""
+    hints = typing.get_type_hints(cls)
+    made = dataclasses.make_dataclass(
+        cls.__name__.replace("Args", "Overrides"),
+        [(f.name, hints[f.name] | None, field(default=None)) for f in fields(cls)],
+        frozen=True,
+    )
+    made.__doc__ = doc
+    return made
+
+
+GDNOverrides = _overrides_of(GDNArgs, "Gated DeltaNet sizes; unset keys keep the flavor's")
+KDAOverrides = _overrides_of(KDAArgs, "Kimi Delta Attention sizes; unset keys keep the flavor's")
+Mamba2Overrides = _overrides_of(Mamba2Args, "Mamba2 sizes; unset keys keep the flavor's")
+MLAOverrides = _overrides_of(MLAArgs, "Multi-latent attention sizes and RoPE/YaRN; unset keys keep the flavor's")
+GQAOverrides = _overrides_of(GQAArgs, "Grouped-query attention sizes and RoPE; unset keys keep the flavor's")
+
+
+@dataclass(frozen=True)
+class Job:
+    config_file: str | None = None
+    """File to read job configs from"""
+
+    dump_folder: str = "./outputs"
+    """Folder to dump job outputs"""
+
+    description: str = "default job"
+    """Description of the job"""
+
+    print_config: bool = False
+    """Print the job configs to terminal"""
+
+
+@dataclass(frozen=True)
+class Profiling:
+    enable_profiling: bool = False
+    """Whether to enable pytorch profile"""
+
+    save_traces_folder: str = "profile_traces"
+    """Trace files location"""
+
+    profile_freq: int = 10
+    """How often to collect profile traces, in iterations"""
+
+    profiler_active: int = 1
+    """The steps profiler is active for.
+
+    This is used to configure torch.profile.schedule."""
+
+    profiler_warmup: int = 3
+    """The number of warmup steps before the active step in each profiling cycle.
+
+    This is used to configure torch.profile.schedule."""
+
+
+@dataclass(frozen=True)
+class Metrics:
+    log_freq: int = 10
+    """How often to log metrics to TensorBoard, in iterations"""
+
+    enable_tensorboard: bool = False
+    """Whether to log metrics to TensorBoard"""
+
+    save_tb_folder: str = "tb"
+    """Folder to dump TensorBoard states"""
+
+    enable_wandb: bool = False
+    """Whether to log metrics to Weights & Biases"""
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str = "hybrid"
+    """Model family (only 'hybrid')"""
+
+    flavor: str = "debug_hybrid"
+    """Named configuration (python -m hybridtitan.describe --list); the keys below override it"""
+
+    pattern: str | None = None
+    """Sublayer pattern: '*' MLA attention, 'M' mixer, '-' SwiGLU MLP, e.g. '*-M-M-M-*-M-M-M-*-M-M-M-'"""
+
+    hybrid_attention_ratio: float | None = None
+    """Without an explicit pattern: fraction of (mixer, MLP) pairs that become (attention, MLP) (Primus rule)"""
+
+    mixer: str | None = None
+    """The 'M' sublayer: gdn, kda or mamba2"""
+
+    attention: str | None = None
+    """The '*' sublayer: mla (multi-latent attention) or gqa (grouped-query attention, Llama's)"""
+
+    n_layers: int | None = None
+    """Number of sublayers (the pattern's length)"""
+
+    dim: int | None = None
+    """Hidden size"""
+
+    ffn_dim: int | None = None
+    """SwiGLU hidden size"""
+
+    vocab_size: int | None = None
+    """Vocabulary size (at least the tokenizer's)"""
+
+    tie_embeddings: bool | None = None
+    """Share the embedding and the output layer"""
+
+    norm_eps: float | None = None
+    """RMSNorm epsilon"""
+
+    init_std: float | None = None
+    """Standard deviation of the normal initialisation"""
+
+    converters: list[str] = field(default_factory=list)
+    """Model converters applied before parallelization: 'quantize.linear.float8' (float8 training of the linear
+    layers with torchao, configured in [quantize.linear.float8]; docs/float8.md)"""
+
+    gdn: GDNOverrides = field(default_factory=GDNOverrides)
+
+    kda: KDAOverrides = field(default_factory=KDAOverrides)
+
+    mamba2: Mamba2Overrides = field(default_factory=Mamba2Overrides)
+
+    mla: MLAOverrides = field(default_factory=MLAOverrides)
+
+    gqa: GQAOverrides = field(default_factory=GQAOverrides)
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    name: str = "AdamW"
+    """Optimizer to use"""
+
+    lr: float = 0.0008
+    """Learning rate to use"""
+
+    beta1: float = 0.9
+
+    beta2: float = 0.95
+    """Exponential moving average hyperparameters to use"""
+
+    eps: float = 1e-08
+    """Epsilon value to use"""
+
+    weight_decay: float = 0.1
+    """Weight decay to use"""
+
+    implementation: Literal['for-loop', 'foreach', 'fused'] = "fused"
+    """Specify which optimizer implementation to use:
+    - 'fused': Use fused implementation (CUDA only) for best performance.
+    - 'foreach': Use some horizontal fusion of tensors for better performance.
+    - 'for-loop': Use the default implementation for the optimizer (slowest).
+    - more info: https://pytorch.org/docs/stable/optim.html"""
+
+
+@dataclass(frozen=True)
+class LRScheduler:
+    warmup_steps: int = 200
+    """Steps for lr scheduler warmup, normally 1/5 of --training.steps"""
+
+    total_steps: int | None = None
+    """Total steps for LR schedule calculation. If None, defaults to training.steps. This allows decoupling the LR
+    schedule from the actual training steps, which is useful for debugging with fewer steps while maintaining the
+    same LR curve, or for early stopping scenarios."""
+
+    decay_ratio: float | None = None
+    """Controls the proportion of the training steps allocated to the learning rate decay phase. If `None`, the
+    learning rate will begin decaying immediately after the warmup period. Otherwise, the learning rate will remain
+    stable after the warmup period and only start decaying during the last `decay_ratio` portion of the total
+    training steps. This is known as the Warmup-Stable-Decay (WSD) schedule, as described in
+    https://arxiv.org/abs/2404.06395."""
+
+    decay_type: Literal['linear', 'sqrt', 'cosine'] = "linear"
+    """Learning rate decay type to use during training:
+    - 'linear': linearly decays learning rate from initial to final value
+    - 'sqrt': decays learning rate following a 1 minus square root curve
+    - 'cosine': smoothly decays learning rate following a cosine curve"""
+
+    min_lr_factor: float = 0.0
+    """Min lr ratio for lr scheduler. If provided, the range of decay factor is scaled from 1 to `min_lr_factor` to
+    ensure the learning rate does not drop below `optimizer.lr * lr_scheduler.min_lr_factor`."""
+
+
+@dataclass(frozen=True)
+class Training:
+    local_batch_size: int = 8
+    """Local batch size (i.e., per-device batch size)"""
+
+    global_batch_size: int = -1
+    """Global batch size (defaults to `training.local_batch_size * data-parallel degree`)"""
+
+    seq_len: int = 2048
+    """Sequence length"""
+
+    max_norm: float | int = 1.0
+    """Max norm for gradient clipping"""
+
+    steps: int = 10000
+    """How many train steps to run"""
+
+    mixed_precision_param: Literal['bfloat16', 'float32'] = "bfloat16"
+    """torch dtype to use for parameters when applying mixed precision via fully_shard or torch.autocast. This feature
+    takes effect via fully_shard when data_parallel_shard_degree > 1 or context_parallel_degree > 1; it takes effect
+    via torch.autocast when data_replicate_degree >= 1 and no other parallelism is enabled, i.e. under DDP or
+    single-device training."""
+
+    mixed_precision_reduce: Literal['float32'] = "float32"
+    """torch dtype to use for reductions when applying mixed precision via FSDP. This feature only takes effect when
+    data_parallel_shard_degree > 1"""
+
+    gc_freq: int = 50
+    """Python garbage control scheduling interval, in steps"""
+
+    expandable_segments: bool = True
+    """GPU: the CUDA/HIP caching allocator uses expandable segments (less fragmentation); set by the trainer"""
+
+    loss_chunk_size: int = 4096
+    """Tokens per chunk of the fused linear cross-entropy (its extra memory is one chunk of logits)"""
+
+    eod_mask_loss: bool = False
+    """No loss where the input token is the end-of-document token (Megatron's eod_mask_loss: the first token of the
+    next document is not predicted from the last one's EOD). The loss is the mean over the counted tokens of the
+    whole global batch, however it is split into micro-batches and ranks"""
+
+    gdn_backend: Literal['triton', 'flash_qla'] = "triton"
+    """GPU: FLA's backend for the gated delta rule: triton (FLA's Triton kernels, on every GPU, whatever else is
+    installed) or flash_qla (FlashQLA where the package is installed and takes the call, FLA's Triton kernels
+    otherwise; the log says which ran)"""
+
+    cuda_graphs: bool = False
+    """GPU: replay the recurrent mixers' FLA calls from CUDA graphs captured in the first step (whole sequences; packed
+    documents run eagerly). Much less host time per step for more memory (each layer keeps its own inputs, outputs
+    and input gradients): for small micro-batches, where the host's kernel launches set the pace"""
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    """The `data_parallel_replicate_degree` argument specifies the degree of data parallelism for weight replication.
+    When this value is greater than 1, weights will be replicated across `data_parallel_replicate_degree` ranks. If
+    `data_parallel_shard_degree` is also greater than 1, the parallelism method used is HSDP (Hybrid Sharded Data
+    Parallelism). Otherwise, the parallelism method used is DDP (Distributed Data Parallelism). 1 means disabled."""
+
+    data_parallel_shard_degree: int = -1
+    """The `data_parallel_shard_degree` argument specifies the degree of data parallelism for weight sharding. When
+    this value is greater than 1, weights will be sharded across `data_parallel_shard_degree` ranks. If
+    `data_parallel_replicate_degree` is also greater than 1, the parallelism method used is HSDP (Hybrid Sharded
+    Data Parallelism). Otherwise, the parallelism method used is FSDP (Fully Sharded Data Parallelism). -1 means
+    leftover ranks will be used (After DP_REPLICATE/SP/PP). Note that only `data_parallel_shard_degree` can be
+    negative. 1 means disabled."""
+
+    fsdp_reshard_after_forward: Literal['default', 'always', 'never'] = "default"
+    """`reshard_after_forward` specifies the policy for applying `reshard_after_forward` within an FSDP setup.
+    `reshard_after_forward` controls parameter behavior after forward, trading off memory and communication. See
+    torch's `fully_shard` API for more documentation on `reshard_after_forward`.
+
+    The supported policies include "default", "always" and "never":
+    - "default" applies default resharding behavior, implementing "smart defaults" for known optimal scenarios.
+    - "always" will enable `reshard_after_forward` for all forward passes.
+    - "never" will disable `reshard_after_forward` for all forward passes."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    enable: bool = False
+    """Whether to enable checkpoint"""
+
+    folder: str = "checkpoint"
+    """The folder to store the checkpoints. When enable is set to true, checkpoints will be in
+    {--job.dump_folder}/{--checkpoint.folder}."""
+
+    interval: int = 500
+    """Checkpointing interval in steps."""
+
+    initial_load_path: str | None = None
+    """This option specifies the path to the initial checkpoint to load, which is particularly useful for resuming
+    training from a previous run with a different output path or when loading a checkpoint from a pre-trained model.
+    If the checkpoint folder for the current run is not empty, located at {--job.dump_folder}/{--checkpoint.folder},
+    this option will be ignored. This feature allows users to load an initial checkpoint from a different folder and
+    continue training, saving new checkpoints to the specified folder without affecting the existing ones.
+    Note that the path should contain the full path to the checkpoint folder, including the step number, if any; for
+    example, "//pre_train/checkpoints/llama3/llama3_8b/step_10000"."""
+
+    initial_load_model_only: bool = True
+    """This option specifies if only the model should be loaded during the initial checkpoint load. The option is only
+    used when `initial_load_path` is specified. If False, the checkpoint at `initial_load_path` is treated as a
+    standard training checkpoint, including optimizer, lr scheduler, training states, etc. The default setting for
+    this option is True. Note that you will have to use `--checkpoint.no_initial_load_model_only` to override the
+    default setting."""
+
+    last_save_model_only: bool = False
+    """Save only the model at the last step (smaller; the run cannot be extended from it). Off: the last checkpoint is
+    a full one, like every other"""
+
+    async_mode: Literal['disabled', 'async', 'async_with_pinned_mem'] = "disabled"
+    """Which async checkpoint mode to use. Currently there are 3 different modes.
+    - "disabled": synchronized checkpointing will be used.
+    - "async": torch.distributed.checkpoint.async_save will be used.
+    - "async_with_pinned_mem": this option utilizes a dedicated pinned memory space and creates a separate process
+    for faster GPU->CPU transfer performance and eliminating GIL contention. The cost is increased CPU memory usage.
+    If insufficient CPU memory is available, performance may degrade due to memory paging. For most users, "async"
+    should suffice as the performance overhead is typically small (on the order of tens of seconds) compared to
+    checkpointing frequency. This mode can be employed to pursue near-zero checkpointing times (e.g., < 1 second)
+    given appropriate hardware support such as ample CPU memory and fast PCIe.
+    "disabled" is the default mode."""
+
+    keep_latest_k: int = 10
+    """Keeps only the latest k checkpoints, and purging older ones. If 0, keep all checkpoints. K cannot be 1 as the
+    last one may be in the process of being saved. As a result, the metadata of the last one may not be ready yet.
+    The default value is 10 to avoid filling up the disk."""
+
+    load_step: int = -1
+    """Load the checkpoint at the specified step. If -1, load the latest checkpoint."""
+
+    exclude_from_loading: list[str] = field(default_factory=lambda: [])
+    """Exclude specific keys from being loaded from the checkpoint. Provide a comma-separated list of keys to exclude,
+    e.g. 'optimizer,lr_scheduler,dataloader'. This will load the model only, excluding the specified keys."""
+
+    enable_first_step_checkpoint: bool = False
+    """Enable the checkpoint save at first step. This will save a checkpoint immediately after the first step to ensure
+    checkpointing functions correctly. This is useful when running on a new cluster or storage to verify
+    checkpointing without waiting for many steps or checkpointing too frequently. The default value is False."""
+
+    allow_tokenizer_change: bool = False
+    """Start from a checkpoint trained with another tokenizer than data.tokenizer (refused otherwise: the same ids
+    would mean other tokens); for a deliberate change of vocabulary"""
+
+
+@dataclass(frozen=True)
+class ActivationCheckpoint:
+    mode: Literal['selective', 'full', 'memory_budget', 'none'] = "selective"
+    """Type of activation checkpointing to use"""
+
+    selective_ac_option: str = "2"
+    """Selective activation checkpointing options ['int', 'op']. 'int' (e.g., 2) for every nth layer, or 'op' for op
+    level ac."""
+
+
+@dataclass(frozen=True)
+class Compile:
+    enable: bool = False
+    """Whether to apply torch.compile"""
+
+    components: list[str] = field(default_factory=lambda: ["model", "loss"])
+    """Which components to compile"""
+
+
+@dataclass(frozen=True)
+class Comm:
+    init_timeout_seconds: int = 300
+    """Timeout for communication operations, during initialization and first train step."""
+
+    train_timeout_seconds: int = 100
+    """Timeout for communication operations after the first train step -- usually a tighter bound than during
+    initialization."""
+
+
+def _held_out() -> Data:
+    return Data(path="", shuffle=False)
+
+
+@dataclass(frozen=True)
+class Validation:
+    enable: bool = False
+    """Compute the loss on a held-out set every validation.freq steps and at the end (console, metrics.jsonl,
+    TensorBoard, W&B); it changes nothing of the training"""
+
+    local_batch_size: int | None = None
+    """Sequences per rank in a validation batch (None: training.local_batch_size)"""
+
+    seq_len: int | None = None
+    """Tokens per validation sequence (None: training.seq_len)"""
+
+    freq: int = 500
+    """Steps between validations"""
+
+    steps: int = -1
+    """Batches per rank in each validation (the same batches every time); -1: one pass over the set"""
+
+    data: Data = field(default_factory=_held_out)
+    """The held-out set: any data source, as [data] (its tokenizer is the training data's; never shuffled)"""
+
+
+@dataclass(frozen=True)
+class Debug:
+    seed: int | None = None
+    """Choose the base RNG seed used for training"""
+
+    deterministic: bool = False
+    """Use deterministic algorithms wherever possible, may be slower"""
+
+
+# [data]: Data (ours)
+
+
+# [eval]: Eval (ours)
+
+
+# [distill]: Distill (ours)
+
+
+@dataclass(frozen=True)
+class Eval:
+    tasks: list[str] = field(default_factory=list)
+    """lm-eval tasks (names, or paths of local task YAMLs) evaluated on the live model during training, by all
+    ranks, each on its share of the requests; results logged as eval/<task>/<metric>. Empty: none"""
+
+    every_checkpoints: int = 1
+    """Evaluate after every N-th checkpoint saved, and at the end"""
+
+    include_path: str = ""
+    """A folder of extra task YAMLs (as lm-eval's --include_path)"""
+
+    limit: float | None = None
+    """Examples per task (a fraction if below 1; None: all)"""
+
+    num_fewshot: int | None = None
+    """Few-shot examples per request (None: the task's default)"""
+
+    batch_size: int = 8
+    """Requests per forward pass"""
+
+
+@dataclass(frozen=True)
+class Distill:
+    teacher: str = ""
+    """The frozen teacher: a Hugging Face folder (a Llama, say) or a hybridtitan checkpoint (step, checkpoint or
+    dump folder), of the student's vocabulary and tokenizer. Empty: no distillation, the cross-entropy alone"""
+
+    kl_weight: float = 1.0
+    """Weight of the KL divergence of the student's next-token distributions from the teacher's (times T^2)"""
+
+    ce_weight: float = 0.0
+    """Weight of the student's cross-entropy on the data"""
+
+    layer_weight: float = 0.0
+    """Weight of layer distillation: per block (a token-mixing sublayer and the MLPs after it), fed the teacher's
+    stream, the L2 distance of its output and of its mixing sublayer's output from the teacher's (Zebra-Llama's
+    ILD); the teacher and student must have the same sublayer structure"""
+
+    temperature: float = 1.0
+    """Softmax temperature T of the KL"""
+
+    chunk_size: int = 4096
+    """Tokens per chunk of the KL: both models' 16-bit logits of a chunk are its extra memory on GPUs (about five
+    float32 chunks more where it runs eagerly: CPUs, a temperature with the cross-entropy)"""
+
+    kernel: Literal["hybridtitan", "fla"] = "hybridtitan"
+    """GPU: the KL's kernel: hybridtitan's (the chunks above, each one's softmax in a Triton kernel) or FLA's fused
+    KL (temperature 1 only; its own chunks; its output-weight gradient accumulates in float32 GEMMs)"""
+
+
+@dataclass(frozen=True)
+class Float8:
+    enable_fsdp_float8_all_gather: bool = False
+    """Whether to enable float8 all-gather in FSDP, recommended for tensorwise scaling"""
+
+    precompute_float8_dynamic_scale_for_fsdp: bool = False
+    """Whether to precompute float8 scales dynamically for FSDP, recommended for tensorwise scaling"""
+
+    recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = None
+    """If specified, creates float8 config from recipe name"""
+
+    filter_fqns: list[str] = field(default_factory=list)
+    """Comma-separated module names (substrings of the names) kept in high precision; the output layer, gates and
+    GEMMs too small to gain always are"""
+
+    emulate: bool = False
+    """Float8 numerics in float32 matrix products instead of float8 hardware: for tests on CPUs or GPUs below
+    compute capability 8.9; not with torch.compile of the model"""
+
+
+@dataclass(frozen=True)
+class QuantizedLinear:
+    float8: Float8 = field(default_factory=Float8)
+
+
+@dataclass(frozen=True)
+class Quantize:
+    linear: QuantizedLinear = field(default_factory=QuantizedLinear)
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """A whole recipe: its sections in the order --help and the reference list them."""
+
+    job: Job = field(default_factory=Job)
+    profiling: Profiling = field(default_factory=Profiling)
+    metrics: Metrics = field(default_factory=Metrics)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    comm: Comm = field(default_factory=Comm)
+    validation: Validation = field(default_factory=Validation)
+    debug: Debug = field(default_factory=Debug)
+    data: Data = field(default_factory=Data)
+    eval: Eval = field(default_factory=Eval)
+    distill: Distill = field(default_factory=Distill)
+    quantize: Quantize = field(default_factory=Quantize)
+
+
+# torchtitan 0.2.2's keys that hybridtitan does not implement, with their type and default: a recipe or command
+# line that sets one to another value is refused (config.check_titan_option), its default is accepted and ignored.
+TITAN_OPTIONS: dict[str, tuple[typing.Any, typing.Any]] = {
+    "job.save_config_file": (str | None, None),
+    "job.custom_config_module": (str, ""),
+    "profiling.enable_memory_snapshot": (bool, False),
+    "profiling.save_memory_snapshot_folder": (str, "memory_snapshot"),
+    "metrics.disable_color_printing": (bool, False),
+    "metrics.save_for_all_ranks": (bool, False),
+    "model.hf_assets_path": (str, "./tests/assets/tokenizer"),
+    "model.tokenizer_path": (str | None, None),
+    "model.print_after_conversion": (bool, False),
+    "optimizer.early_step_in_backward": (bool, False),
+    "training.dataset": (str, "c4_test"),
+    "training.dataset_path": (str | None, None),
+    "training.enable_cpu_offload": (bool, False),
+    "training.dtype": (Literal["bfloat16", "float32"], "float32"),
+    "training.gc_debug": (bool, False),
+    "training.dataloader.num_workers": (int, 0),
+    "training.dataloader.persistent_workers": (bool, False),
+    "training.dataloader.pin_memory": (bool, False),
+    "training.dataloader.prefetch_factor": (int | None, None),
+    "parallelism.tensor_parallel_degree": (int, 1),
+    "parallelism.disable_loss_parallel": (bool, False),
+    "parallelism.enable_async_tensor_parallel": (bool, False),
+    "parallelism.pipeline_parallel_degree": (int, 1),
+    "parallelism.module_fqns_per_model_part": (list[list[str]] | None, None),
+    "parallelism.pipeline_parallel_first_stage_less_layers": (int, 1),
+    "parallelism.pipeline_parallel_last_stage_less_layers": (int, 1),
+    "parallelism.pipeline_parallel_layers_per_stage": (int | None, None),
+    "parallelism.pipeline_parallel_schedule": (str, "1F1B"),
+    "parallelism.pipeline_parallel_schedule_csv": (str | None, ""),
+    "parallelism.pipeline_parallel_microbatch_size": (int, 1),
+    "parallelism.pipeline_parallel_expert_parallel_overlap": (bool, True),
+    "parallelism.context_parallel_degree": (int, 1),
+    "parallelism.context_parallel_load_balancer": (str | None, "headtail"),
+    "parallelism.context_parallel_rotate_method": (Literal["allgather", "alltoall"], "allgather"),
+    "parallelism.expert_parallel_degree": (int, 1),
+    "parallelism.expert_tensor_parallel_degree": (int, 1),
+    "parallelism.expert_parallel_comm_backend": (Literal["standard", "deepep"], "standard"),
+    "checkpoint.enable_ft_dataloader_checkpoints": (bool, True),
+    "checkpoint.initial_load_in_hf": (bool, False),
+    "checkpoint.initial_load_in_hf_quantized": (bool, False),
+    "checkpoint.last_save_in_hf": (bool, False),
+    "checkpoint.export_dtype": (Literal["float16", "bfloat16", "float32"], "float32"),
+    "checkpoint.create_seed_checkpoint": (bool, False),
+    "checkpoint.load_only": (bool, False),
+    "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": (list[str], ["moe.router.gate"]),
+    "activation_checkpoint.early_stop": (bool, False),
+    "activation_checkpoint.memory_budget": (float, 0.5),
+    "activation_checkpoint.visualize_memory_budget_pareto": (bool, False),
+    "activation_checkpoint.preserve_rng_state": (bool, True),
+    "activation_checkpoint.determinism_check": (str, "default"),
+    "activation_checkpoint.debug": (bool, False),
+    "compile.backend": (str, "inductor"),
+    "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice": (Literal["triton", "cuda", "torch"], "triton"),
+    "quantize.linear.mx.recipe_name": (str, "mxfp8_cublas"),
+    "quantize.linear.mx.filter_fqns": (list[str], ["output"]),
+    "quantize.grouped_mm.float8.fqns": (list[str] | str, []),
+    "quantize.grouped_mm.mx.recipe_name": (Literal["mxfp8"], "mxfp8"),
+    "quantize.grouped_mm.mx.fqns": (list[str] | str, []),
+    "comm.trace_buf_size": (int, 20000),
+    "comm.save_traces_folder": (str, "comm_traces"),
+    "comm.save_traces_file_prefix": (str, "rank_"),
+    "comm.mode": (Literal["default", "fake_backend", "local_tensor"], "default"),
+    "memory_estimation.enable": (bool, False),
+    "memory_estimation.disable_fake_mode": (bool, False),
+    "fault_tolerance.enable": (bool, False),
+    "fault_tolerance.process_group": (str, "gloo"),
+    "fault_tolerance.process_group_timeout_ms": (int, 10000),
+    "fault_tolerance.replica_id": (int, 0),
+    "fault_tolerance.group_size": (int, 0),
+    "fault_tolerance.min_replica_size": (int, 1),
+    "fault_tolerance.semi_sync_method": (str | None, None),
+    "experimental.custom_import": (str, ""),
+    "experimental.custom_args_module": (str, ""),
+    "validation.dataset": (str, "c4_validation"),
+    "validation.dataset_path": (str | None, None),
+    "validation.dataloader.num_workers": (int, 0),
+    "validation.dataloader.persistent_workers": (bool, False),
+    "validation.dataloader.pin_memory": (bool, False),
+    "validation.dataloader.prefetch_factor": (int | None, None),
+    "debug.deterministic_warn_only": (bool, False),
+    "debug.moe_force_load_balance": (bool, False),
+}
+# whole torchtitan sections hybridtitan does not implement (their keys are in TITAN_OPTIONS)
+TITAN_SECTIONS = ("memory_estimation", "fault_tolerance", "experimental")
