@@ -3,7 +3,7 @@
 One source of truth: a TOML recipe, any key overridable on the command line as ``--section.key value`` (booleans
 also as ``--section.flag`` / ``--section.no_flag``, lists comma-separated). Each value is checked against its
 field's type, and every problem is one ``ConfigError`` line naming the key. torchtitan keys for features
-hybridtitan does not implement (tensor, pipeline, context parallelism, MX formats, ...) are refused when set,
+hybridtitan does not implement (tensor, pipeline, expert parallelism, MX formats, ...) are refused when set,
 rather than silently ignored.
 
 (No ``from __future__ import annotations`` here: the type checks below read real types.)
@@ -362,6 +362,10 @@ def validate(cfg, check_data: bool = True) -> None:
     if unknown:
         raise ConfigError(f"model.converters: unknown converter(s) {', '.join(sorted(unknown))}; hybridtitan has "
                           "quantize.linear.float8 (float8 training of the linear layers)")
+    if cfg.parallelism.context_parallel_degree < 1:
+        raise ConfigError("parallelism.context_parallel_degree must be 1 or more, got "
+                          f"{cfg.parallelism.context_parallel_degree}")
+    context_parallel_layout(cfg)
     if cfg.activation_checkpoint.mode not in ("none", "selective", "full"):
         raise ConfigError("activation_checkpoint.mode must be none, selective or full")
     option = cfg.activation_checkpoint.selective_ac_option
@@ -497,6 +501,21 @@ def _refuse_default_sizes(m, base: ModelArgs, args: ModelArgs) -> None:
 def held_out_data(cfg) -> Data:
     """The validation set's [data], with the training data's tokenizer."""
     return dataclasses.replace(cfg.validation.data, tokenizer=cfg.data.tokenizer)
+
+
+# torchtitan's context_parallel_load_balancer values -> the layouts of hybridtitan.ops.context_parallel
+LOAD_BALANCER_LAYOUTS = {"headtail": "zigzag", None: "contiguous", "none": "contiguous"}
+
+
+def context_parallel_layout(cfg) -> str:
+    """The layout of a context-parallel sequence: parallelism.context_parallel_load_balancer "headtail" -> "zigzag"
+    (rank r holds chunks r and 2W - 1 - r), None (TOML: "none") -> "contiguous"; ConfigError for any other."""
+    balancer = cfg.parallelism.context_parallel_load_balancer
+    key = balancer.lower() if balancer in ("none", "None", "NONE") else balancer
+    if key not in LOAD_BALANCER_LAYOUTS:
+        raise ConfigError(f"parallelism.context_parallel_load_balancer must be headtail or none (contiguous "
+                          f"slices), got {balancer!r}: hybridtitan's context parallelism has no other layout")
+    return LOAD_BALANCER_LAYOUTS[key]
 
 
 def selective_ac_interval(cfg) -> int:

@@ -191,8 +191,12 @@ def batch_plan(cfg, world_size: int) -> dict:
     from hybridtitan.parallel import resolve_data_parallel
 
     p = cfg.parallelism
+    cp = p.context_parallel_degree  # the ranks of a context-parallel group read the same batch
+    if world_size % cp:
+        return {"world_size": world_size, "ok": False,
+                "problem": f"parallelism.context_parallel_degree ({cp}) must divide the {world_size} ranks"}
     try:
-        dp = resolve_data_parallel(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, world_size)
+        dp = resolve_data_parallel(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, world_size // cp)
     except ValueError as e:
         return {"world_size": world_size, "ok": False, "problem": str(e)}
     t = cfg.training

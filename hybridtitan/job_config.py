@@ -282,6 +282,16 @@ class Parallelism:
     - "always" will enable `reshard_after_forward` for all forward passes.
     - "never" will disable `reshard_after_forward` for all forward passes."""
 
+    context_parallel_degree: int = 1
+    """Context parallelism degree: each training sequence split over this many consecutive ranks, which hold the
+    same batch (data parallel = ranks / degree; FSDP shards over all ranks). seq_len (and validation.seq_len) must
+    divide by 2 x degree. 1 means disabled. docs/context-parallel.md says what runs where"""
+
+    context_parallel_load_balancer: str | None = "headtail"
+    """How a sequence is cut over the context-parallel ranks, in 2 x degree chunks: "headtail" (rank r holds chunks
+    r and 2 x degree - 1 - r, an early and a late one: causal attention's work balanced) or None (none on the
+    command line, "none" in TOML: rank r holds one contiguous slice)"""
+
 
 @dataclass(frozen=True)
 class Checkpoint:
@@ -561,8 +571,6 @@ TITAN_OPTIONS: dict[str, tuple[typing.Any, typing.Any]] = {
     "parallelism.pipeline_parallel_schedule_csv": (str | None, ""),
     "parallelism.pipeline_parallel_microbatch_size": (int, 1),
     "parallelism.pipeline_parallel_expert_parallel_overlap": (bool, True),
-    "parallelism.context_parallel_degree": (int, 1),
-    "parallelism.context_parallel_load_balancer": (str | None, "headtail"),
     "parallelism.context_parallel_rotate_method": (Literal["allgather", "alltoall"], "allgather"),
     "parallelism.expert_parallel_degree": (int, 1),
     "parallelism.expert_tensor_parallel_degree": (int, 1),

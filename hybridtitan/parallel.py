@@ -2,8 +2,11 @@
 kernels where the model's kernel config asks for them (hybridtitan.ops.residual), torch.compile per sublayer,
 then FSDP2 ``fully_shard`` per sublayer and at the root.
 
-Data parallelism only: FSDP over a 1-D mesh, or HSDP over a (replicate, shard) mesh. The mesh is built here
-rather than with torchtitan's ParallelDims, which assumes a GPU (it asks for a "cuda" mesh on a CPU machine).
+Data parallelism: FSDP over a 1-D mesh, or HSDP over a (replicate, shard) mesh; with context parallelism (each
+sequence split over ``cp`` consecutive ranks that hold the same batch, hybridtitan.ops.context_parallel) FSDP
+shards over the data-parallel shard ranks and the CP ranks together, torchtitan's ``dp_shard_cp``: the gradients
+are reduced over the CP ranks too. The mesh is built here rather than with torchtitan's ParallelDims, which
+assumes a GPU (it asks for a "cuda" mesh on a CPU machine).
 """
 
 from __future__ import annotations
@@ -47,10 +50,13 @@ def resolve_data_parallel(replicate: int, shard: int, world_size: int) -> DataPa
     return DataParallel(replicate, shard)
 
 
-def build_mesh(dp: DataParallel, device_type: str) -> DeviceMesh:
+def build_mesh(dp: DataParallel, device_type: str, cp: int = 1) -> DeviceMesh:
+    """FSDP's mesh: (dp_replicate, dp_shard) or (dp_shard,); with ``cp`` > 1 the shard dimension takes the CP
+    ranks in (dp_shard_cp: dp.shard x cp ranks, the CP ranks of a sequence consecutive within it)."""
+    shard, name = dp.shard * cp, "dp_shard_cp" if cp > 1 else "dp_shard"
     if dp.replicate > 1:
-        return init_device_mesh(device_type, (dp.replicate, dp.shard), mesh_dim_names=("dp_replicate", "dp_shard"))
-    return init_device_mesh(device_type, (dp.shard,), mesh_dim_names=("dp_shard",))
+        return init_device_mesh(device_type, (dp.replicate, shard), mesh_dim_names=("dp_replicate", name))
+    return init_device_mesh(device_type, (shard,), mesh_dim_names=(name,))
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1, checkpoint_fn=None) -> None:

@@ -2,8 +2,8 @@
 
     plan = preflight(cfg)        # ConfigError (one line, exit code 2) on any problem
 
-It works out the data-parallel layout, the gradient accumulation, the model, the tokenizer and the data loader,
-and chooses the checkpoint the run starts from, once: the run's own latest complete step (or
+It works out the data-parallel and context-parallel layout, the gradient accumulation, the model, the tokenizer
+and the data loader, and chooses the checkpoint the run starts from, once: the run's own latest complete step (or
 ``checkpoint.load_step``), else ``checkpoint.initial_load_path``, else none. That checkpoint must exist, hold this
 model and fit this run's data loader; a rewind that a later resume would undo is refused.
 """
@@ -24,7 +24,7 @@ from hybridtitan.checkpoint import (
     read_job_config,
     resolve_checkpoint,
 )
-from hybridtitan.config import ConfigError, compiles, held_out_data, model_args
+from hybridtitan.config import ConfigError, compiles, context_parallel_layout, held_out_data, model_args
 from hybridtitan.data import HeldOut, build_dataloader, build_tokenizer
 from hybridtitan.data.config import local_data_files, looks_local, megatron_prefixes, resolve_path
 from hybridtitan.data.manifest import check_shards
@@ -81,17 +81,27 @@ class Plan:
     reads: str = ""  # what the run reads: files, documents, tokens and the epochs the schedule makes of them
     lr_scheduler: Any = None  # the [lr_scheduler] in force: the recipe's, or a resumed checkpoint's shape
     float8: Float8Conversion | None = None  # the linears float8 training converts (model.converters)
+    cp: int = 1  # context parallelism's degree: consecutive ranks that split each sequence (same batch)
+    cp_layout: str = "zigzag"  # hybridtitan.ops.context_parallel's layout of a split sequence
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel rank: the context-parallel ranks of a group read the same batches."""
+        return int(os.environ.get("RANK", "0")) // self.cp
 
 
 def preflight(cfg) -> Plan:
     """Every check that can fail on the user's input, before a process group, a folder or a file is made."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cp, cp_layout = context_parallel_plan(cfg, world_size)
     try:
         dp = resolve_data_parallel(cfg.parallelism.data_parallel_replicate_degree,
-                                   cfg.parallelism.data_parallel_shard_degree, world_size)
+                                   cfg.parallelism.data_parallel_shard_degree, world_size // cp)
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError(str(e) + (f" (the data-parallel ranks: {world_size} / context_parallel_degree {cp})"
+                                    if cp > 1 else "")) from None
+    dp_rank = int(os.environ.get("RANK", "0")) // cp
     t = cfg.training
     per_step = t.local_batch_size * dp.size
     global_batch = per_step if t.global_batch_size == -1 else t.global_batch_size
@@ -99,8 +109,9 @@ def preflight(cfg) -> Plan:
         raise ConfigError(f"training.global_batch_size ({global_batch}) is not divisible by local_batch_size x "
                           f"data-parallel size ({t.local_batch_size} x {dp.size} = {per_step})")
     args = model_args(cfg)
+    check_context_parallel_model(cfg, args, cp)
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    float8, float8_warnings_ = float8_plan(cfg, args, dp, device)
+    float8, float8_warnings_ = float8_plan(cfg, args, dp, device, cp)
     tokenizer = None
     needs_tokenizer = cfg.data.source != "mock" or cfg.eval.tasks or (
         cfg.validation.enable and cfg.validation.data.source != "mock")
@@ -110,17 +121,17 @@ def preflight(cfg) -> Plan:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     seed = DEFAULT_SEED if cfg.debug.seed is None else cfg.debug.seed
-    try:  # only data parallelism: the data-parallel rank is the global rank
+    try:  # the ranks of a context-parallel group read the same batches (each keeps its part of every row)
         dataloader = build_dataloader(
             cfg.data, tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
-            dp_rank=int(os.environ.get("RANK", "0")), dp_world_size=dp.size, seed=seed, vocab_size=args.vocab_size,
+            dp_rank=dp_rank, dp_world_size=dp.size, seed=seed, vocab_size=args.vocab_size,
             eod_mask_loss=t.eod_mask_loss)
         held_out = None
         if cfg.validation.enable:
             v = cfg.validation
             held_out = HeldOut(held_out_data(cfg), tokenizer, seq_len=v.seq_len or t.seq_len,
                                local_batch_size=v.local_batch_size or t.local_batch_size,
-                               dp_rank=int(os.environ.get("RANK", "0")), dp_world_size=dp.size,
+                               dp_rank=dp_rank, dp_world_size=dp.size,
                                vocab_size=args.vocab_size, eod_mask_loss=t.eod_mask_loss)
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -146,10 +157,52 @@ def preflight(cfg) -> Plan:
     lr_scheduler, kept = schedule_in_force(cfg, start)
     warnings += [kept] if kept else []
     return Plan(device, world_size, dp, global_batch // per_step, args, tokenizer, dataloader, seed, start,
-                held_out, teacher, tuple(warnings), what_the_run_reads(cfg, global_batch), lr_scheduler, float8)
+                held_out, teacher, tuple(warnings), what_the_run_reads(cfg, global_batch), lr_scheduler, float8,
+                cp=cp, cp_layout=cp_layout)
 
 
-def float8_plan(cfg, args: ModelArgs, dp: DataParallel, device: torch.device
+def context_parallel_plan(cfg, world_size: int) -> tuple[int, str]:
+    """(degree, layout) of context parallelism (parallelism.context_parallel_degree, _load_balancer), refused in
+    one line where it cannot run: a degree that does not divide the ranks, sequences that do not cut into
+    2 x degree equal chunks, and what has not been made to work with it yet."""
+    p, t, v = cfg.parallelism, cfg.training, cfg.validation
+    cp, layout = p.context_parallel_degree, context_parallel_layout(cfg)
+    if cp == 1:
+        return cp, layout
+    key = "parallelism.context_parallel_degree"
+    if world_size % cp:
+        raise ConfigError(f"{key} ({cp}) must divide the {world_size} ranks: each sequence is split over {cp} "
+                          "consecutive ranks, and the data-parallel size is ranks / degree")
+    lengths = [("training.seq_len", t.seq_len)]
+    if v.enable:
+        lengths.append(("validation.seq_len", v.seq_len or t.seq_len))
+    for name, n in lengths:
+        if n % (2 * cp):
+            raise ConfigError(f"{name} ({n}) must be divisible by 2 x {key} = {2 * cp}: context parallelism cuts "
+                              f"each sequence into 2 x {cp} equal chunks")
+    for refused, what in ((t.cuda_graphs, "training.cuda_graphs (the graphs replay whole sequences)"),
+                          (bool(cfg.distill.teacher), "distillation ([distill] teacher)"),
+                          (compiles(cfg, "model"), 'torch.compile of the sublayers (compile.components "model")')):
+        if refused:
+            raise ConfigError(f"{key} {cp}: context parallelism does not run with {what} yet; set one of them off")
+    return cp, layout
+
+
+def check_context_parallel_model(cfg, args: ModelArgs, cp: int) -> None:
+    """Each chunk of a split sequence must hold a short convolution's halo (its width - 1 previous inputs)."""
+    if cp == 1 or "M" not in args.pattern:
+        return
+    width = getattr(args, args.mixer).conv_size
+    chunk = cfg.training.seq_len // (2 * cp)
+    if cfg.validation.enable:
+        chunk = min(chunk, (cfg.validation.seq_len or cfg.training.seq_len) // (2 * cp))
+    if chunk < width - 1:
+        raise ConfigError(f"parallelism.context_parallel_degree {cp} cuts sequences into chunks of {chunk} tokens, "
+                          f"fewer than the {args.mixer} convolution's {width - 1} previous inputs each needs: use "
+                          "longer sequences or a lower degree")
+
+
+def float8_plan(cfg, args: ModelArgs, dp: DataParallel, device: torch.device, cp: int = 1
                 ) -> tuple[Float8Conversion | None, list[str]]:
     """Float8 training (model.converters): refused in one line where it cannot run; otherwise which linears
     convert, decided on a model of the meta device, and what the log says of it."""
@@ -160,8 +213,9 @@ def float8_plan(cfg, args: ModelArgs, dp: DataParallel, device: torch.device
     refusal = float8_refusal_here(settings, device, compiled=compiled)
     if refusal is not None:
         raise ConfigError(refusal)
-    conversion = plan_float8(build_model(args, "meta"), settings, fsdp_sharded=dp.shard > 1)
-    warnings = float8_warnings(settings, compiled=compiled, fsdp_sharded=dp.shard > 1)
+    sharded = dp.shard * cp > 1  # FSDP shards over the context-parallel ranks too
+    conversion = plan_float8(build_model(args, "meta"), settings, fsdp_sharded=sharded)
+    warnings = float8_warnings(settings, compiled=compiled, fsdp_sharded=sharded)
     if not conversion.converted:
         warnings.append(f"{FLOAT8}: no linear layer of this model gains from float8 (every one is kept: "
                         "describe lists why), so the run trains in its usual precision")

@@ -50,6 +50,7 @@ from hybridtitan.lr_schedule import LRSchedule
 from hybridtitan.metrics import MetricsLogger
 from hybridtitan.models import build_model
 from hybridtitan.models.flops import param_counts
+from hybridtitan.ops.context_parallel import context_parallel_group, shard_batch
 from hybridtitan.optim import build_optimizer, clip_grad_norm_
 from hybridtitan.parallel import build_mesh, parallelize
 from hybridtitan.preflight import Plan, data_identity, preflight
@@ -233,7 +234,10 @@ class Trainer:
         on_gpu = self.device.type == "cuda"
         if not on_gpu and t.mixed_precision_param != "float32":
             logger.info("CPU: parameters and activations in float32 (training.mixed_precision_param applies to GPUs)")
-        self.mesh = build_mesh(plan.dp, self.device.type)
+        # context parallelism: each sequence split over consecutive ranks (their group made first, on every rank
+        # in the same order); FSDP shards over all ranks, data parallel and CP (hybridtitan.parallel)
+        self.cp_group = context_parallel_group(plan.cp) if plan.cp > 1 else None
+        self.mesh = build_mesh(plan.dp, self.device.type, plan.cp)
         kernels = ops.Kernels(kernel_config(cfg, self.device))
         param_dtype = getattr(torch, t.mixed_precision_param) if on_gpu else torch.float32
         self.model = build_parallel_model(
@@ -263,7 +267,7 @@ class Trainer:
         self.checkpointer = CheckpointManager(
             os.path.join(cfg.job.dump_folder, c.folder), model=self.model, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, train_state=self.state,
-            dp_rank=self.rank, dp_world_size=plan.dp.size, model_args=args, job_config=self.job_dict,
+            dp_rank=plan.dp_rank, dp_world_size=plan.dp.size, model_args=args, job_config=self.job_dict,
             interval=c.interval, keep_latest_k=c.keep_latest_k, async_mode=c.async_mode, enable=c.enable,
             first_step=c.enable_first_step_checkpoint, exclude_from_loading=tuple(c.exclude_from_loading))
         try:
@@ -298,8 +302,9 @@ class Trainer:
         logger.info(f"model {cfg.model.flavor}: pattern {args.pattern} ({args.mixer}), {counts['total']:,} "
                     f"parameters ({counts['non_embedding']:,} non-embedding), {self.flops_per_token / 1e9:.3f} "
                     "GFLOP/token (training)")
+        cp = f", context parallel {plan.cp} ({plan.cp_layout})" if plan.cp > 1 else ""
         logger.info(f"{plan.world_size} rank(s) on {self.device.type}: data parallel replicate {plan.dp.replicate} x "
-                    f"shard {plan.dp.shard}, local batch {cfg.training.local_batch_size} x seq "
+                    f"shard {plan.dp.shard}{cp}, local batch {cfg.training.local_batch_size} x seq "
                     f"{cfg.training.seq_len}, gradient accumulation {plan.grad_accum}")
         logger.info(plan.reads)
         if self.device.type == "cuda" and args.mixer == "mamba2":
@@ -346,13 +351,15 @@ class Trainer:
     def train_step(self) -> StepResult:
         """One optimizer step over the step's micro-batches: forward, backward, clip, update. The loss is the mean
         over the counted tokens of the global batch (all micro-batches of all ranks), so a split into more
-        micro-batches or ranks gives the same step."""
+        micro-batches or ranks gives the same step. Under context parallelism each rank holds its part of every
+        row (``split``): the counts and loss sums of its parts add up, over the ranks, to the whole batch's."""
         t, accum = self.cfg.training, self.plan.grad_accum
-        batches = [self.to_device(next(self.batches)) for _ in range(accum)]
+        batches = [self.split(self.to_device(next(self.batches))) for _ in range(accum)]
         counted = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches)
         dist.all_reduce(counted)  # the global batch's
-        # FSDP averages the gradients over the ranks: each micro-batch's sum over the mean count per micro-batch
-        per_micro_batch = (counted / (self.plan.dp.size * accum)).clamp(min=1)
+        # FSDP averages the gradients over all its ranks (data and context parallel): each micro-batch's sum over
+        # the mean count per micro-batch and rank
+        per_micro_batch = (counted / (self.plan.dp.size * self.plan.cp * accum)).clamp(min=1)
         loss_total = torch.zeros((), device=self.device)
         parts: dict[str, torch.Tensor] = {}
         for b in batches:
@@ -379,11 +386,20 @@ class Trainer:
         if self.distiller is not None:
             return self.distiller.losses(self.model, batch)
         loss_sum, _ = self.model(batch["input_ids"], labels=batch["labels"], cu_seqlens=batch.get("cu_seqlens"),
-                                 loss_chunk_size=self.cfg.training.loss_chunk_size, reduction="sum")
+                                 loss_chunk_size=self.cfg.training.loss_chunk_size, reduction="sum",
+                                 context=batch.get("context"))
         return [(loss_sum, {})]
 
     def to_device(self, batch: dict) -> dict:
         return {key: value.to(self.device, non_blocking=True) for key, value in batch.items()}
+
+    def split(self, batch: dict) -> dict:
+        """The batch itself, or under context parallelism this rank's part of it with its shard as "context"
+        (hybridtitan.ops.context_parallel.shard_batch: packed documents' boundaries go into the shard)."""
+        if self.cp_group is None:
+            return batch
+        part, shard = shard_batch(batch, self.cp_group, self.plan.cp_layout)
+        return {**part, "context": shard}
 
     def log_due(self, step: int) -> bool:
         """Every metrics.log_freq steps, the last, and the first (the initial loss and the start-up cost) of the
@@ -403,7 +419,8 @@ class Trainer:
         self.last_logged = self.metrics.log(
             step, loss=means[0], parts=dict(zip(w.part_names, means[1:])), grad_norm=result.grad_norm.item(),
             lr=result.lr,
-            tokens_per_step=self.tokens_per_step_local, window_steps=step - w.start_step,
+            tokens_per_step=self.tokens_per_step_local // self.plan.cp,  # a CP rank computes its part of them
+            window_steps=step - w.start_step,
             window_time=time.perf_counter() - w.start_time, tokens_seen=self.state.tokens_seen,
             skipped_steps=self.state.skipped_steps, loss_tokens=int(result.loss_tokens.item()))
         self.window = LogWindow(step)
@@ -426,13 +443,14 @@ class Trainer:
         self.model.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)
         for i, (batch, shard_ended) in enumerate(self.plan.held_out.batches()):
-            b = self.to_device(batch)
+            b = self.split(self.to_device(batch))
             if self.distiller is not None:
                 loss_sum, kl_sum, count = self.distiller.held_out(self.model, b)
             else:
                 (loss_sum, count), kl_sum = self.model(
                     b["input_ids"], labels=b["labels"], cu_seqlens=b.get("cu_seqlens"),
-                    loss_chunk_size=self.cfg.training.loss_chunk_size, reduction="sum"), torch.zeros(())
+                    loss_chunk_size=self.cfg.training.loss_chunk_size, reduction="sum",
+                    context=b.get("context")), torch.zeros(())
             totals += torch.stack([loss_sum.double(), count.double(), kl_sum.double().to(self.device)])
             if steps > 0:
                 if i + 1 == steps:

@@ -161,7 +161,7 @@ def test_schema_keeps_torchtitans_names_types_and_defaults():
 
     ours, theirs = keys(JobConfig), keys(TitanJobConfig)
     shared = set(ours) & set(theirs)
-    assert len(shared) == 68, sorted(shared)  # torchtitan's keys the trainer reads
+    assert len(shared) == 70, sorted(shared)  # torchtitan's keys the trainer reads
     # hybridtitan's own meaning and default
     overridden = {"model.name", "model.flavor", "validation.enable", "validation.freq", "validation.steps",
                   "validation.local_batch_size", "validation.seq_len", "checkpoint.last_save_model_only"}

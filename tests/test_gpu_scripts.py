@@ -18,7 +18,8 @@ HARNESS = REPO / "gpu_harness"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
 
 
-def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+# a guard against a hang only: the dry runs take 20-90 s on 2 loaded cores
+def _run(args: list[str], timeout: int = 1200) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=REPO, env=ENV, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -59,6 +60,19 @@ def test_export_check_dry_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     assert [(r["case"], r["ok"]) for r in results] == [("logits", True), ("greedy", True), ("bf16", True)]
+
+
+def test_cp_check_dry_run(tmp_path):
+    """Context parallelism's GPU check on a CPU: two gloo ranks, every op and case within the bar, the report
+    naming each op's output and gradients."""
+    out = tmp_path / "cp_check.json"
+    proc = _run(["gpu_harness/cp_check.py", "--device", "cpu", "--seq-len", "64", "--json", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cases = json.loads(out.read_text())["cases"]
+    assert len(cases) == 5 * 2 * 2 and all(c["ok"] for c in cases.values()), cases
+    assert set(cases["gated_delta_rule zigzag packed"]["worst"]) == {
+        "output", "dq", "dk", "dv", "da", "db", "dA_log (summed)", "ddt_bias (summed)"}
+    assert all(0 <= e <= 2e-2 for c in cases.values() for e in c["worst"].values()), cases
 
 
 def test_bench_dry_run_variants(tmp_path):

@@ -59,9 +59,10 @@ class ShortConvolution(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, 1, width))
         self.bias = nn.Parameter(torch.zeros(channels)) if bias else None
 
-    def forward(self, x, cu_seqlens=None, cache=None, key="conv"):
-        """x: [B, T, D]. With a cache, the state under ``key`` is read and replaced (decoding)."""
-        return fused_short_conv(x, [self], cu_seqlens, cache, key)[0]
+    def forward(self, x, cu_seqlens=None, cache=None, key="conv", context=None):
+        """x: [B, T, D]. With a cache, the state under ``key`` is read and replaced (decoding). ``context``: the
+        rank's context-parallel shard (hybridtitan.ops.context_parallel), x its local part."""
+        return fused_short_conv(x, [self], cu_seqlens, cache, key, context)[0]
 
 
 def is_plain_linear(layer: nn.Module) -> bool:
@@ -87,7 +88,7 @@ def fused_linear(x: torch.Tensor, *groups: nn.Linear | tuple[nn.Linear, ...]) ->
 
 
 def fused_short_conv(x: torch.Tensor, convs: list[ShortConvolution], cu_seqlens=None, cache=None,
-                     key: str = "conv") -> list[torch.Tensor]:
+                     key: str = "conv", context=None) -> list[torch.Tensor]:
     """Several short convolutions over the channel blocks of ``x``, as one convolution (depthwise: each channel
     has its own filter, so concatenating the filters is exact); one output per convolution."""
     weight = torch.cat([c.weight for c in convs]).squeeze(1)
@@ -95,7 +96,8 @@ def fused_short_conv(x: torch.Tensor, convs: list[ShortConvolution], cu_seqlens=
     bias = torch.cat(biases) if all(b is not None for b in biases) else None
     state = cache.get(key) if cache is not None else None
     ys, new_state = convs[0].ops.short_conv(x, weight, bias, "silu", [c.weight.shape[0] for c in convs],
-                                   cu_seqlens=cu_seqlens, initial_state=state, output_final_state=cache is not None)
+                                   cu_seqlens=cu_seqlens, initial_state=state, output_final_state=cache is not None,
+                                   context=context)
     if cache is not None:
         cache[key] = new_state
     return ys
@@ -137,9 +139,12 @@ def init_dt_bias(dt_bias: torch.Tensor, dt_min: float = 1e-3, dt_max: float = 0.
     dt_bias.add_(torch.log(-torch.expm1(-dt_bias)))
 
 
-def new_positions(cache, key: str, T: int, rows: int, device) -> torch.Tensor:
+def new_positions(cache, key: str, T: int, rows: int, device, context=None) -> torch.Tensor:
     """Positions of an attention sublayer's T new tokens: [1, T] after the ``key`` sequence its cache holds, or
-    [B, T] where the cache holds rows of other lengths left-padded (``key_mask``): each row after its own."""
+    [B, T] where the cache holds rows of other lengths left-padded (``key_mask``): each row after its own. Under
+    context parallelism (``context``: the rank's shard) the positions its tokens have in the unsplit sequence."""
+    if context is not None:
+        return context.positions.to(device).unsqueeze(0)
     if cache is not None and "key_mask" in cache:
         return cache["key_mask"].sum(1, keepdim=True) + torch.arange(T, device=device)
     offset = cache[key].shape[1] if cache is not None and key in cache else 0

@@ -39,16 +39,18 @@ class GroupedQueryAttention(nn.Module):
         self.o_proj = nn.Linear(args.num_heads * args.head_dim, dim, bias=False)
         self.softmax_scale = args.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, cu_seqlens=None, cache=None, rows: int = 1, **_) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens=None, cache=None, rows: int = 1, context=None, **_) -> torch.Tensor:
         B, T, _ = x.shape
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = fused_linear(x, self.q_proj, self.k_proj, self.v_proj)
-        cos, sin = rope_cos_sin(new_positions(cache, "k", T, rows, x.device), gqa_inv_freq(self.args, x.device))
+        cos, sin = rope_cos_sin(new_positions(cache, "k", T, rows, x.device, context),
+                                gqa_inv_freq(self.args, x.device))
         q = apply_rope(q.view(B, T, H, D), cos, sin)
         k = apply_rope(k.view(B, T, KV, D), cos, sin)
         v = v.view(B, T, KV, D)
         if cache is not None:
             k, v = extend_cache(cache, k=k, v=v)
+        k, v = self.ops.whole_sequence(k, context), self.ops.whole_sequence(v, context)  # context parallelism
         o = self.ops.attention(q, k, v, self.softmax_scale, cu_seqlens=cu_seqlens, rows=rows,
-                               key_mask=cache.get("key_mask") if cache is not None else None)
+                               key_mask=cache.get("key_mask") if cache is not None else None, context=context)
         return self.o_proj(o.reshape(B, T, H * D))

@@ -41,17 +41,18 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = GatedRMSNorm(args.head_v_dim, eps=norm_eps, activation="sigmoid", kernels=kernels)
         self.o_proj = nn.Linear(value_dim, dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cu_seqlens=None, cache=None, **_) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens=None, cache=None, context=None, **_) -> torch.Tensor:
         B, T, _ = x.shape
         H, K, V = self.num_heads, self.head_dim, self.head_v_dim
         qkv, f, g, b = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj), self.f_proj[0], self.g_proj[0],
                                     self.b_proj)
-        q, k, v = fused_short_conv(qkv, [self.q_conv1d, self.k_conv1d, self.v_conv1d], cu_seqlens, cache)
+        q, k, v = fused_short_conv(qkv, [self.q_conv1d, self.k_conv1d, self.v_conv1d], cu_seqlens, cache,
+                                   context=context)
         o, state = self.ops.kda(
             q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V), self.f_proj[1](f).view(B, T, H, K), b,
             self.A_log, self.dt_bias, cu_seqlens=cu_seqlens,
             initial_state=cache.get("recurrent") if cache is not None else None, output_final_state=cache is not None,
-            site=self,
+            site=self, context=context,
         )
         if cache is not None:
             cache["recurrent"] = state

@@ -48,11 +48,11 @@ class Mamba2(nn.Module):
                                  group_size=self.d_inner // args.n_groups, kernels=kernels)
         self.out_proj = nn.Linear(self.d_inner, dim, bias=False)
 
-    def forward(self, u: torch.Tensor, cu_seqlens=None, cache=None, **_) -> torch.Tensor:
+    def forward(self, u: torch.Tensor, cu_seqlens=None, cache=None, context=None, **_) -> torch.Tensor:
         Bsz, T, _ = u.shape
         H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.d_state
         z, xbc, dt = self.in_proj(u).split([self.d_inner, self.conv_dim, H], dim=-1)
-        xbc = self.conv1d(xbc, cu_seqlens, cache, "conv")
+        xbc = self.conv1d(xbc, cu_seqlens, cache, "conv", context)
         x, Bm, Cm = xbc.split([self.x_dim, self.b_dim, self.bc_dim], dim=-1)
         # every head of x and group of B and C serves consecutive heads (none shared: one each)
         x = x.view(Bsz, T, self.x_heads, P).repeat_interleave(H // self.x_heads, dim=2)
@@ -63,7 +63,7 @@ class Mamba2(nn.Module):
         y, state = self.ops.simple_gla(
             Cm, Bm, (x * dt.unsqueeze(-1)).to(x.dtype), A * dt, scale=1.0, cu_seqlens=cu_seqlens,
             initial_state=cache.get("recurrent") if cache is not None else None,
-            output_final_state=cache is not None, site=self,
+            output_final_state=cache is not None, site=self, context=context,
         )
         if cache is not None:
             cache["recurrent"] = state

@@ -57,7 +57,7 @@ class MultiLatentAttention(nn.Module):
         # YaRN scales cos/sin by mscale(factor, mscale) / mscale(factor, mscale_all_dim)
         self.rope_mscale = yarn_mscale(args.rope_scaling_factor, args.mscale) / m
 
-    def forward(self, x: torch.Tensor, cu_seqlens=None, cache=None, rows: int = 1, **_) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens=None, cache=None, rows: int = 1, context=None, **_) -> torch.Tensor:
         B, T, _ = x.shape
         a = self.args
         H = self.num_heads
@@ -70,12 +70,14 @@ class MultiLatentAttention(nn.Module):
         q_nope, q_rope = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
         c_kv, k_rope = kv_latent.split([a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
 
-        positions = new_positions(cache, "c_kv", T, rows, x.device)
+        positions = new_positions(cache, "c_kv", T, rows, x.device, context)
         cos, sin = rope_cos_sin(positions, mla_inv_freq(a, x.device), self.rope_mscale)
         q_rope = apply_rope(q_rope, cos, sin)
         k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin)
         if cache is not None:
             c_kv, k_rope = extend_cache(cache, c_kv=c_kv, k_rope=k_rope)
+        # context parallelism: the whole sequence's small latent and rope key, not its keys and values
+        c_kv, k_rope = self.ops.whole_sequence(c_kv, context), self.ops.whole_sequence(k_rope, context)
         S = c_kv.shape[1]
         latent = self.kv_norm(c_kv) if a.latent_norm else c_kv
         kv = self.kv_up_proj(latent).view(B, S, H, a.qk_nope_head_dim + a.v_head_dim)
@@ -83,5 +85,5 @@ class MultiLatentAttention(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(B, S, H, a.qk_rope_head_dim)], dim=-1)
         o = self.ops.attention(q, k, v, self.softmax_scale, cu_seqlens=cu_seqlens, rows=rows,
-                               key_mask=cache.get("key_mask") if cache is not None else None)
+                               key_mask=cache.get("key_mask") if cache is not None else None, context=context)
         return self.o_proj(o.reshape(B, T, H * a.v_head_dim))

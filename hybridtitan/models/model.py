@@ -55,8 +55,8 @@ class Sublayer(nn.Module):
         """f: the attention, mixer or MLP."""
         return getattr(self, BODY_NAMES[self.kind])
 
-    def forward(self, x: torch.Tensor, cu_seqlens=None, cache=None, rows: int = 1) -> torch.Tensor:
-        return x + self.body(self.norm(x), cu_seqlens=cu_seqlens, cache=cache, rows=rows)
+    def forward(self, x: torch.Tensor, cu_seqlens=None, cache=None, rows: int = 1, context=None) -> torch.Tensor:
+        return x + self.body(self.norm(x), cu_seqlens=cu_seqlens, cache=cache, rows=rows, context=context)
 
 
 class LayerState(MutableMapping):
@@ -160,14 +160,21 @@ class HybridLM(nn.Module):
         return self.embeddings.weight if self.lm_head is None else self.lm_head.weight
 
     def hidden_states(self, input_ids: torch.Tensor, cu_seqlens=None, cache: InferenceCache | None = None,
-                      collect: list | None = None) -> torch.Tensor:
+                      collect: list | None = None, context=None) -> torch.Tensor:
         """Final-normed hidden states [B, T, D]. With ``cu_seqlens`` (boundaries over the B * T tokens, rows
         included), documents are isolated: no state or attention crosses a boundary. A ``collect`` list receives
         the residual stream entering each sublayer, then the final-normed states (transformers' hidden_states).
         (Under the fused residual kernels, hybridtitan.ops.residual, the stream between two sublayers is carried
-        as a pair whose sum it is.)"""
+        as a pair whose sum it is.)
+
+        ``context``: context parallelism's shard of this rank (hybridtitan.ops.context_parallel.ContextShard):
+        ``input_ids`` are then the rank's part of the rows (of a packed batch: its part of the rows flattened into
+        one), the documents are the shard's (no ``cu_seqlens``), and every sublayer gets it."""
         B, T = input_ids.shape
         x, rows = self.embeddings(input_ids), 1
+        if context is not None and (cu_seqlens is not None or cache is not None):
+            raise ValueError("a context-parallel forward takes its documents from the context: no cu_seqlens, and no "
+                             "decoding cache")
         if cu_seqlens is not None:
             cu_seqlens = cu_seqlens.long()  # once per forward: the kernels index with it (loaders give int32)
             if B > 1:  # packed documents: one row of B * T tokens, the rows' starts among the boundaries
@@ -175,7 +182,8 @@ class HybridLM(nn.Module):
         for i, layer in enumerate(self.layers):
             if collect is not None:
                 collect.append(_summed(x).view(B, T, -1))
-            x = layer(x, cu_seqlens=cu_seqlens, cache=cache.layer(i) if cache is not None else None, rows=rows)
+            x = layer(x, cu_seqlens=cu_seqlens, cache=cache.layer(i) if cache is not None else None, rows=rows,
+                      context=context)
         out = self.norm(x).view(B, T, -1)
         if collect is not None:
             collect.append(out)
@@ -183,13 +191,14 @@ class HybridLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, cu_seqlens=None,
                 cache: InferenceCache | None = None, ignore_index: int = -100, loss_chunk_size: int = 4096,
-                reduction: str = "mean", head=None, collect: list | None = None):
+                reduction: str = "mean", head=None, collect: list | None = None, context=None):
         """The logits [B, T, V] in float32, or given ``labels`` the cross-entropy over the counted ones (the logits
         then formed ``loss_chunk_size`` tokens at a time, never whole): their mean, or with ``reduction="sum"``
         (the trainer's, which divides by the count of its whole step) the pair (summed loss, count).
         ``head``: a function of the final hidden states and the output weight whose result is returned instead
-        (a distillation loss, hybridtitan.distill); ``collect`` as in ``hidden_states``."""
-        h = self.hidden_states(input_ids, cu_seqlens=cu_seqlens, cache=cache, collect=collect)
+        (a distillation loss, hybridtitan.distill); ``collect`` and ``context`` (context parallelism: the labels,
+        like the inputs, the rank's part) as in ``hidden_states``."""
+        h = self.hidden_states(input_ids, cu_seqlens=cu_seqlens, cache=cache, collect=collect, context=context)
         if head is not None:
             return head(h, self.output_weight)
         if labels is None:

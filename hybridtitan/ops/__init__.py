@@ -8,7 +8,10 @@ A tensor on a GPU (CUDA or ROCm: PyTorch calls both "cuda") goes to FLA's Triton
 to Triton kernels of our own where they are faster (each cross-entropy chunk's softmax, ``cross_entropy_triton``;
 the short convolution of whole sequences, ``conv_triton``), or through torch.compile where the config asks for
 it; anything else to the chunked PyTorch reference (``reference``), which computes the same algorithm. Model code
-calls these methods and never chooses a kernel itself. The module-level functions (``ops.gated_delta_rule``,
+calls these methods and never chooses a kernel itself. Under context parallelism the models pass the rank's
+``ContextShard`` down as ``context=`` (as they pass ``cu_seqlens``), and the recurrences, short convolutions and
+attention go through ``context_parallel``'s algorithms, which call these same methods on the local tokens; the
+models hold no rank or collective logic. The module-level functions (``ops.gated_delta_rule``,
 ...) are the default configuration's, for tests and tools.
 """
 
@@ -20,7 +23,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import cross_entropy, distill, reference
+from . import context_parallel, cross_entropy, distill, reference
 
 __all__ = ["KernelConfig", "Kernels", "DEFAULT"]
 
@@ -146,6 +149,20 @@ class Kernels:
         """"fla" (the GPU kernels) or "torch" (the PyTorch reference) for an op on ``x``."""
         return "fla" if (x.is_cuda and not self.config.reference) else "torch"
 
+    # ---- context parallelism
+
+    def whole_sequence(self, x, context=None):
+        """``x`` [B, L, ...] itself, or under context parallelism (``context``: the rank's ContextShard) the whole
+        sequence [B, T, ...] of every rank's part, in order, with autograd (attention's keys and values, or the
+        MLA's latent they are formed from)."""
+        return x if context is None else context_parallel.gather_sequence(x, context)
+
+    @staticmethod
+    def _under_context(name, cu_seqlens, initial_state, output_final_state) -> None:
+        if cu_seqlens is not None or initial_state is not None or output_final_state:
+            raise ValueError(f"{name} under context parallelism takes the shard's boundaries and states from its "
+                             "context: no cu_seqlens, initial_state or final state (decoding runs without CP)")
+
     # ---- the recurrent mixers
 
     def _fla_mixer(self, name: str, site, tensors: tuple, cu_seqlens, initial_state, output_final_state, *extra,
@@ -160,10 +177,14 @@ class Kernels:
         return fn(*tensors, *extra, cu_seqlens, initial_state, output_final_state)
 
     def gated_delta_rule(self, q, k, v, a, b, A_log, dt_bias, cu_seqlens=None, initial_state=None,
-                         output_final_state=False, site=None):
+                         output_final_state=False, site=None, context=None):
         """Gated DeltaNet core. q, k: [B, T, H, K] before their L2 norm; v: [B, T, HV, V]; a, b: [B, T, HV] raw gate
         and beta logits. decay = -exp(A_log) * softplus(a + dt_bias) (float32), beta = sigmoid(b). ``site``: the
-        calling layer, for the state the GPU path keeps per layer (CUDA graphs); ignored elsewhere."""
+        calling layer, for the state the GPU path keeps per layer (CUDA graphs); ignored elsewhere. ``context``:
+        the rank's ContextShard (context parallelism; the tensors are its local part)."""
+        if context is not None:
+            self._under_context("gated_delta_rule", cu_seqlens, initial_state, output_final_state)
+            return context_parallel.cp_gated_delta_rule(self, context, q, k, v, a, b, A_log, dt_bias)
         if self.backend_for(q) == "fla":
             return self._fla_mixer("gated_delta_rule", site, (q, k, v, a, b, A_log, dt_bias), cu_seqlens,
                                    initial_state, output_final_state, backend=self.config.gdn_backend)
@@ -175,9 +196,12 @@ class Kernels:
         )
 
     def kda(self, q, k, v, a, b, A_log, dt_bias, cu_seqlens=None, initial_state=None, output_final_state=False,
-            site=None):
+            site=None, context=None):
         """Kimi Delta Attention core. As ``gated_delta_rule`` but a: [B, T, HV, K] (one decay per key channel),
         dt_bias: [HV * K]."""
+        if context is not None:
+            self._under_context("kda", cu_seqlens, initial_state, output_final_state)
+            return context_parallel.cp_kda(self, context, q, k, v, a, b, A_log, dt_bias)
         if self.backend_for(q) == "fla":
             return self._fla_mixer("kda", site, (q, k, v, a, b, A_log, dt_bias), cu_seqlens, initial_state,
                                    output_final_state)
@@ -190,8 +214,11 @@ class Kernels:
         )
 
     def simple_gla(self, q, k, v, g, scale=None, cu_seqlens=None, initial_state=None, output_final_state=False,
-                   site=None):
+                   site=None, context=None):
         """Linear attention with a scalar log decay g: [B, T, H] per head (Mamba2's SSD with q=C, k=B, v=x*dt)."""
+        if context is not None:
+            self._under_context("simple_gla", cu_seqlens, initial_state, output_final_state)
+            return context_parallel.cp_simple_gla(self, context, q, k, v, g, scale=scale)
         if self.backend_for(q) == "fla":
             return self._fla_mixer("simple_gla", site, (q, k, v, g), cu_seqlens, initial_state, output_final_state,
                                    scale)
@@ -201,18 +228,24 @@ class Kernels:
     # ---- convolutions
 
     def causal_conv1d(self, x, weight, bias=None, activation="silu", cu_seqlens=None, initial_state=None,
-                      output_final_state=False):
+                      output_final_state=False, context=None):
         """Depthwise causal convolution. x: [B, T, D]; weight: [D, W]; states [N, D, W] (last W inputs)."""
+        if context is not None:
+            self._under_context("causal_conv1d", cu_seqlens, initial_state, output_final_state)
+            return context_parallel.cp_causal_conv1d(self, context, x, weight, bias, activation)
         if self.backend_for(x) == "fla":
             return _fla().causal_conv1d(x, weight, bias, activation, cu_seqlens, initial_state, output_final_state)
         return reference.causal_conv1d(x, weight, bias, activation, cu_seqlens, initial_state, output_final_state)
 
     def short_conv(self, x, weight, bias=None, activation="silu", sizes=None, cu_seqlens=None, initial_state=None,
-                   output_final_state=False):
+                   output_final_state=False, context=None):
         """``causal_conv1d`` with its output as one tensor per block of ``sizes`` channels (default: one), e.g. a
         mixer's q, k and v. Returns (outputs, final state or None). On GPUs, whole sequences without a state go to
         our kernels (``conv_triton``), which write each block as its own contiguous tensor (no copy when the
         recurrent kernels take them); packed documents, decoding and other devices get views of one output."""
+        if context is not None:
+            self._under_context("short_conv", cu_seqlens, initial_state, output_final_state)
+            return context_parallel.cp_short_conv(self, context, x, weight, bias, activation, sizes)
         sizes = tuple(sizes) if sizes else (x.shape[-1],)
         # inside a sublayer that torch.compile traces whole (compile.components "model") FLA's kernel stays: ours
         # was not measured there
@@ -263,10 +296,17 @@ class Kernels:
             return _fla().swiglu_linear(gate, up, weight)
         return F.linear(F.silu(gate) * up, weight)
 
-    def attention(self, q, k, v, scale, cu_seqlens=None, rows=1, key_mask=None):
+    def attention(self, q, k, v, scale, cu_seqlens=None, rows=1, key_mask=None, context=None):
         """Causal attention. q: [B, T, H, Dk]; k: [B, S, Hk, Dk]; v: [B, S, Hk, Dv] (Hk dividing H: grouped-query
         heads; S > T when decoding: the queries are the last T positions); packed documents as ``cu_seqlens`` over a
-        batch of one flattened from ``rows`` rows; ``key_mask`` [B, S]: the keys that exist (left-padded rows)."""
+        batch of one flattened from ``rows`` rows; ``key_mask`` [B, S]: the keys that exist (left-padded rows).
+        ``context``: the rank's ContextShard, q its local queries, k and v the whole sequence's
+        (``whole_sequence``)."""
+        if context is not None:
+            if cu_seqlens is not None or key_mask is not None:
+                raise ValueError("attention under context parallelism takes the documents from its context: no "
+                                 "cu_seqlens or key_mask")
+            return context_parallel.cp_attention(self, context, q, k, v, scale)
         if self.backend_for(q) == "fla" and key_mask is None:
             return _fla().attention(q, k, v, scale, cu_seqlens, rows)
         return reference.causal_attention(q, k, v, scale, cu_seqlens, rows, key_mask=key_mask)
