@@ -3,7 +3,7 @@ ranks (gloo, the CPU reference ops through hybridtitan.ops.context_parallel) tra
 global batch: the same losses (training and held-out) and, after the steps, the same weights, within float32
 tolerance. Dense rows and packed documents, both layouts (headtail = zigzag, none = contiguous), the GDN + MLA
 hybrid, the Mamba2, KDA and Llama flavors (KDA under activation checkpointing), and CP beside data parallelism
-(2 x 2 ranks). A CP run's checkpoint resumes on one
+(2 x 2 ranks). A CP run's checkpoint resumes exactly at CP 2 and on one
 process without CP. The refusals are one line, exit code 2, before anything is written.
 
 The optimizer is AdamW with eps = 1: its update is then close to lr x the gradient's momentum (not its sign, as
@@ -69,6 +69,18 @@ def test_checkpoint_of_a_cp_run_resumes_without_cp(packed, tmp_path):
     run_train(resumed, *BASE, nproc=1)
     assert sorted(losses(resumed)) == [3, 4]
     assert_same_run(one, resumed, steps=(3, 4))
+
+
+def test_checkpoint_of_a_cp_run_resumes_exactly_at_the_same_degree(packed, tmp_path):
+    """The CP run's step 2, resumed at CP 2, goes on as the uninterrupted CP run (the data loader's place is the
+    data-parallel rank's, shared by the CP ranks)."""
+    _, cp = packed
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoint").mkdir(parents=True)
+    shutil.copytree(cp / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
+    run_train(resumed, *BASE, *CP2, nproc=2)
+    assert sorted(losses(resumed)) == [3, 4]
+    assert_same_run(cp, resumed, steps=(3, 4))
 
 
 def test_dense_rows_contiguous_layout_beside_data_parallel(tmp_path):
