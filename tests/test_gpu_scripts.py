@@ -68,8 +68,9 @@ def test_cp_check_dry_run(tmp_path):
     out = tmp_path / "cp_check.json"
     proc = _run(["gpu_harness/cp_check.py", "--device", "cpu", "--seq-len", "64", "--json", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    cases = json.loads(out.read_text())["cases"]
-    assert len(cases) == 5 * 2 * 2 and all(c["ok"] for c in cases.values()), cases
+    result = json.loads(out.read_text())
+    cases = result["cases"]
+    assert result["not_run"] == 0 and len(cases) == 5 * 2 * 2 and all(c["ok"] for c in cases.values()), cases
     assert set(cases["gated_delta_rule zigzag packed"]["worst"]) == {
         "output", "dq", "dk", "dv", "da", "db", "dA_log (summed)", "ddt_bias (summed)"}
     assert all(0 <= e <= 2e-2 for c in cases.values() for e in c["worst"].values()), cases
