@@ -102,14 +102,22 @@ def teacher_estimate(cfg, args, tokens: int, param_bytes: int) -> dict:
                        f"over {shard} rank(s), its forward's FLOPs counted"}
 
 
+def cp_note(seq_len: int, cp: int) -> str:
+    if cp == 1:
+        return ""
+    return (f"; context parallel {cp}: {seq_len // cp} tokens of each row a rank, the attention keys it gathers "
+            "from the others not counted")
+
+
 def describe(cfg) -> dict:
     args = model_args(cfg)
     t = cfg.training
     counts = param_counts(args)
     flops = flops_per_token(args, t.seq_len)
     on_gpu_bytes = 2 if t.mixed_precision_param == "bfloat16" else 4
-    shard = max(cfg.parallelism.data_parallel_shard_degree, 1)
-    tokens = t.local_batch_size * t.seq_len
+    cp = cfg.parallelism.context_parallel_degree
+    shard = max(cfg.parallelism.data_parallel_shard_degree, 1) * cp  # FSDP shards over the context ranks too
+    tokens = t.local_batch_size * t.seq_len // cp  # a context-parallel rank holds seq_len / cp tokens of a row
     ac = cfg.activation_checkpoint.mode
     every = selective_ac_interval(cfg)
     act = 0
@@ -159,6 +167,7 @@ def describe(cfg) -> dict:
                        f"{' (data_parallel_shard_degree -1 is counted as 1 here)' if unknown_degree else ''}"
                        f"{', the gathered parameters kept from forward to backward' if kept_gathered else ''}; "
                        f"{8 * on_gpu_bytes}-bit activations, activation checkpointing '{ac}'"
+                       f"{cp_note(t.seq_len, cp)}"
                        f"{teacher['assumes'] if teacher else ''}",
         },
     }

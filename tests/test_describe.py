@@ -114,6 +114,20 @@ def test_loss_chunk_estimate_follows_the_chunk_kernel(capsys):
     assert loss_gib("--training.mixed_precision_param", "float32") == pytest.approx(8 * chunk)
 
 
+def test_context_parallel_estimate_holds_a_ranks_part(capsys):
+    """Under context parallelism a rank holds seq_len / degree tokens of each row, and FSDP shards the states over
+    the data and context ranks together: at degree 4 the activations are a quarter and the states are sharded 4
+    times as wide as at degree 1; the assumptions say so."""
+    recipe = str(ROOT / "train_configs" / "gdn_1B.toml")
+    base = ["--job.config_file", recipe, "--parallelism.data_parallel_shard_degree", "2"]
+    one = _json(capsys, base)["memory_estimate_gib"]
+    four = _json(capsys, [*base, "--parallelism.context_parallel_degree", "4"])["memory_estimate_gib"]
+    assert four["activations"] == pytest.approx(one["activations"] / 4)
+    assert four["params_grads_optimizer"] == pytest.approx(one["params_grads_optimizer"] / 4)
+    assert "sharded over 8 rank(s)" in four["assumes"] and "context parallel 4: 512 tokens" in four["assumes"]
+    assert "context parallel" not in one["assumes"]
+
+
 def test_no_arguments_prints_the_usage(capsys):
     with pytest.raises(SystemExit) as exc:
         describe_mod.main([])
