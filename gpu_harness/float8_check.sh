@@ -7,7 +7,7 @@
 #          nothing at 300M) from the same seed: the same initial weights and the same batches. Prints each run's
 #          first loss, its loss at steps 50 and 100, the mean of its last 50 losses and that mean's difference
 #          from the first bf16 run's; bf16-again, the same bf16 run once more, is the spread between two runs
-#          that the kernels' nondeterminism alone makes
+#          (they are not bitwise reproducible)
 # Usage: OUT=results bash gpu_harness/float8_check.sh [speed] [loss]   (default: both), from the repository's root
 # Time boxes (seconds): F8_SPEED_S (default 420), F8_LOSS_S (default 240 per run: the first run on a cold Triton
 # cache autotunes the packed shapes, 1:44 for its first step on the H200 on 2026-12-03).

@@ -2,8 +2,8 @@
 ranks (gloo, the CPU reference ops through hybridtitan.ops.context_parallel) trains as one process on the same
 global batch: the same losses (training and held-out) and, after the steps, the same weights, within float32
 tolerance. Dense rows and packed documents, both layouts (headtail = zigzag, none = contiguous), the GDN + MLA
-hybrid, the Mamba2, KDA and Llama flavors (KDA under activation checkpointing), and CP beside data parallelism
-(2 x 2 ranks). A CP run's checkpoint resumes exactly at CP 2 and on one
+hybrid (also over 4 ranks), the Mamba2, KDA and Llama flavors (KDA under activation checkpointing), and CP beside
+data parallelism (2 x 2 ranks). A CP run's checkpoint resumes exactly at CP 2 and on one
 process without CP. The refusals are one line, exit code 2, before anything is written.
 
 The optimizer is AdamW with eps = 1: its update is then close to lr x the gradient's momentum (not its sign, as
@@ -39,13 +39,15 @@ def assert_same_run(one, cp, steps=range(1, STEPS + 1), step=STEPS):
         torch.testing.assert_close(wb[name], wa[name], rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL, msg=name)
 
 
+PACKED = [*BASE, "--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "2"]
+
+
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory):
     """The hybrid on packed documents (the recipe's), with validation: one process, and CP 2 (headtail)."""
     root = tmp_path_factory.mktemp("packed")
-    extra = [*BASE, "--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "2"]
-    run_train(root / "one", *extra, nproc=1)
-    run_train(root / "cp", *extra, *CP2, nproc=2)
+    run_train(root / "one", *PACKED, nproc=1)
+    run_train(root / "cp", *PACKED, *CP2, nproc=2)
     return root / "one", root / "cp"
 
 
@@ -57,6 +59,18 @@ def test_packed_documents_train_as_one_process(packed):
     for s in va:
         assert abs(va[s]["validation/loss"] - vb[s]["validation/loss"]) <= LOSS_RTOL * va[s]["validation/loss"]
         assert va[s]["validation/tokens"] == vb[s]["validation/tokens"]
+
+
+def test_four_context_ranks_train_as_one_process(packed, tmp_path):
+    """CP 4: each sequence of 128 tokens in 8 chunks of 16 over 4 ranks (headtail), documents crossing several
+    of them: the losses (training and held-out) and the weights of the one-process run."""
+    one, _ = packed
+    run_train(tmp_path / "cp4", *PACKED, "--parallelism.context_parallel_degree", "4", nproc=4)
+    assert_same_run(one, tmp_path / "cp4")
+    va, vb = records(one, "validation/loss"), records(tmp_path / "cp4", "validation/loss")
+    assert sorted(vb) == [2, 4]
+    for s in va:
+        assert abs(va[s]["validation/loss"] - vb[s]["validation/loss"]) <= LOSS_RTOL * va[s]["validation/loss"]
 
 
 def test_checkpoint_of_a_cp_run_resumes_without_cp(packed, tmp_path):
