@@ -83,11 +83,7 @@ class Plan:
     float8: Float8Conversion | None = None  # the linears float8 training converts (model.converters)
     cp: int = 1  # context parallelism's degree: consecutive ranks that split each sequence (same batch)
     cp_layout: str = "zigzag"  # hybridtitan.ops.context_parallel's layout of a split sequence
-
-    @property
-    def dp_rank(self) -> int:
-        """This rank's data-parallel rank: the context-parallel ranks of a group read the same batches."""
-        return int(os.environ.get("RANK", "0")) // self.cp
+    dp_rank: int = 0  # this rank's data-parallel rank: the context-parallel ranks of a group read the same batches
 
 
 def preflight(cfg) -> Plan:
@@ -158,14 +154,14 @@ def preflight(cfg) -> Plan:
     warnings += [kept] if kept else []
     return Plan(device, world_size, dp, global_batch // per_step, args, tokenizer, dataloader, seed, start,
                 held_out, teacher, tuple(warnings), what_the_run_reads(cfg, global_batch), lr_scheduler, float8,
-                cp=cp, cp_layout=cp_layout)
+                cp=cp, cp_layout=cp_layout, dp_rank=dp_rank)
 
 
 def context_parallel_plan(cfg, world_size: int) -> tuple[int, str]:
     """(degree, layout) of context parallelism (parallelism.context_parallel_degree, _load_balancer), refused in
     one line where it cannot run: a degree that does not divide the ranks, sequences that do not cut into
     2 x degree equal chunks, and what has not been made to work with it yet."""
-    p, t, v = cfg.parallelism, cfg.training, cfg.validation
+    p, t = cfg.parallelism, cfg.training
     cp, layout = p.context_parallel_degree, context_parallel_layout(cfg)
     if cp == 1:
         return cp, layout
@@ -173,10 +169,7 @@ def context_parallel_plan(cfg, world_size: int) -> tuple[int, str]:
     if world_size % cp:
         raise ConfigError(f"{key} ({cp}) must divide the {world_size} ranks: each sequence is split over {cp} "
                           "consecutive ranks, and the data-parallel size is ranks / degree")
-    lengths = [("training.seq_len", t.seq_len)]
-    if v.enable:
-        lengths.append(("validation.seq_len", v.seq_len or t.seq_len))
-    for name, n in lengths:
+    for name, n in split_sequence_lengths(cfg):
         if n % (2 * cp):
             raise ConfigError(f"{name} ({n}) must be divisible by 2 x {key} = {2 * cp}: context parallelism cuts "
                               f"each sequence into 2 x {cp} equal chunks")
@@ -188,14 +181,18 @@ def context_parallel_plan(cfg, world_size: int) -> tuple[int, str]:
     return cp, layout
 
 
+def split_sequence_lengths(cfg) -> list[tuple[str, int]]:
+    """(key, length) of each sequence a context-parallel run splits: the training one, and the held-out one."""
+    t, v = cfg.training, cfg.validation
+    return [("training.seq_len", t.seq_len)] + ([("validation.seq_len", v.seq_len or t.seq_len)] if v.enable else [])
+
+
 def check_context_parallel_model(cfg, args: ModelArgs, cp: int) -> None:
     """Each chunk of a split sequence must hold a short convolution's halo (its width - 1 previous inputs)."""
     if cp == 1 or "M" not in args.pattern:
         return
     width = getattr(args, args.mixer).conv_size
-    chunk = cfg.training.seq_len // (2 * cp)
-    if cfg.validation.enable:
-        chunk = min(chunk, (cfg.validation.seq_len or cfg.training.seq_len) // (2 * cp))
+    chunk = min(n for _, n in split_sequence_lengths(cfg)) // (2 * cp)
     if chunk < width - 1:
         raise ConfigError(f"parallelism.context_parallel_degree {cp} cuts sequences into chunks of {chunk} tokens, "
                           f"fewer than the {args.mixer} convolution's {width - 1} previous inputs each needs: use "

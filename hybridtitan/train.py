@@ -352,9 +352,9 @@ class Trainer:
         """One optimizer step over the step's micro-batches: forward, backward, clip, update. The loss is the mean
         over the counted tokens of the global batch (all micro-batches of all ranks), so a split into more
         micro-batches or ranks gives the same step. Under context parallelism each rank holds its part of every
-        row (``split``): the counts and loss sums of its parts add up, over the ranks, to the whole batch's."""
+        row (``rank_part``): the counts and loss sums of its parts add up, over the ranks, to the whole batch's."""
         t, accum = self.cfg.training, self.plan.grad_accum
-        batches = [self.split(self.to_device(next(self.batches))) for _ in range(accum)]
+        batches = [self.rank_part(next(self.batches)) for _ in range(accum)]
         counted = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches)
         dist.all_reduce(counted)  # the global batch's
         # FSDP averages the gradients over all its ranks (data and context parallel): each micro-batch's sum over
@@ -393,13 +393,14 @@ class Trainer:
     def to_device(self, batch: dict) -> dict:
         return {key: value.to(self.device, non_blocking=True) for key, value in batch.items()}
 
-    def split(self, batch: dict) -> dict:
-        """The batch itself, or under context parallelism this rank's part of it with its shard as "context"
-        (hybridtitan.ops.context_parallel.shard_batch: packed documents' boundaries go into the shard)."""
+    def rank_part(self, batch: dict) -> dict:
+        """A host batch on the device: whole, or under context parallelism this rank's part of it with its shard
+        as "context" (hybridtitan.ops.context_parallel.shard_batch: packed documents' boundaries go into the
+        shard), cut on the host so that only the part is copied."""
         if self.cp_group is None:
-            return batch
-        part, shard = shard_batch(batch, self.cp_group, self.plan.cp_layout)
-        return {**part, "context": shard}
+            return self.to_device(batch)
+        part, shard = shard_batch(batch, self.cp_group, self.plan.cp_layout, device=self.device)
+        return {**self.to_device(part), "context": shard}
 
     def log_due(self, step: int) -> bool:
         """Every metrics.log_freq steps, the last, and the first (the initial loss and the start-up cost) of the
@@ -443,7 +444,7 @@ class Trainer:
         self.model.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)
         for i, (batch, shard_ended) in enumerate(self.plan.held_out.batches()):
-            b = self.split(self.to_device(batch))
+            b = self.rank_part(batch)
             if self.distiller is not None:
                 loss_sum, kl_sum, count = self.distiller.held_out(self.model, b)
             else:

@@ -208,20 +208,23 @@ def shard_for(cu_seqlens: torch.Tensor | None, seq_len: int, group: dist.Process
     )
 
 
-def shard_batch(batch: dict, group: dist.ProcessGroup | None = None, layout: str = "contiguous"
-                ) -> tuple[dict, ContextShard]:
+def shard_batch(batch: dict, group: dist.ProcessGroup | None = None, layout: str = "contiguous",
+                device: torch.device | str | None = None) -> tuple[dict, ContextShard]:
     """This rank's part of a training batch ({"input_ids", "labels" [B, T][, "cu_seqlens"]}, the data loader's),
     and its shard: dense rows each cut alike ([B, 2C] each); packed documents (``cu_seqlens`` over the B rows
     flattened, the rows' starts among them) as one row of B x T tokens whose RoPE positions restart at each row,
-    cut as one ([1, B x T / W] each, no ``cu_seqlens``: the shard holds the local boundaries)."""
+    cut as one ([1, B x T / W] each, no ``cu_seqlens``: the shard holds the local boundaries). ``device``: of the
+    shard's tensors (default: the batch's), so that a batch still on the host is cut there and only the rank's
+    part travels."""
     ids = batch["input_ids"]
     B, T = ids.shape
     cu = batch.get("cu_seqlens")
+    device = ids.device if device is None else device
     if cu is None:
-        shard = shard_for(None, T, group, layout, device=ids.device)
+        shard = shard_for(None, T, group, layout, device=device)
         rows = {name: batch[name] for name in ("input_ids", "labels")}
     else:
-        shard = shard_for(cu.long(), B * T, group, layout, rows=B, device=ids.device)
+        shard = shard_for(cu.long(), B * T, group, layout, rows=B, device=device)
         rows = {name: batch[name].reshape(1, B * T) for name in ("input_ids", "labels")}
     return {name: split_sequence(x, shard) for name, x in rows.items()}, shard
 
