@@ -1,12 +1,15 @@
-"""What the tests of the trainer share: running it for real (torchrun over gloo, in subprocesses), reading what a
-run wrote, and calling its entry point in-process for the one-line errors."""
+"""What the tests of the trainer share: running it for real (its ranks in subprocesses, FSDP2 over gloo), reading
+what a run wrote, and calling its entry point in-process for the one-line errors."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -27,17 +30,69 @@ def env() -> dict:
     return out
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_train(dump: Path, *extra: str, nproc: int = 2, check: bool = True, timeout: int = 600,
-              recipe: str = RECIPE):
-    """``python -m hybridtitan.train`` on the debug recipe: under torchrun --standalone with ``nproc`` processes,
-    or alone for nproc=1 (one process fewer to start: torchrun's agent)."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
-    cmd = [sys.executable, *launcher, "-m", "hybridtitan.train", "--job.config_file", recipe, "--job.dump_folder",
-           str(dump), *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+              recipe: str = RECIPE, torchrun: bool = False):
+    """``python -m hybridtitan.train`` on the debug recipe: in ``nproc`` ranks (run_ranks), or alone for nproc=1 (no
+    process group). ``torchrun=True`` runs it under ``torchrun --standalone`` instead, for the tests of what
+    torchrun itself does (the docs, cluster, signal and Slurm tests use it too)."""
+    args = ["-m", "hybridtitan.train", "--job.config_file", recipe, "--job.dump_folder", str(dump), *extra]
+    if torchrun:
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc_per_node={nproc}", *args], cwd=ROOT, env=env(), capture_output=True,
+                              text=True, timeout=timeout)
+    elif nproc == 1:
+        proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env(), capture_output=True, text=True,
+                              timeout=timeout)
+    else:
+        proc = run_ranks(args, nproc, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
+
+
+def run_ranks(args: list[str], nproc: int, *, timeout: float = 600, environ: dict | None = None):
+    """``python ARGS`` in ``nproc`` processes, started as torchrun starts them (RANK, LOCAL_RANK, WORLD_SIZE,
+    MASTER_ADDR/PORT in their environment; rank 0 serves the store) but without its agent: a process fewer per run,
+    whose start and rendezvous cost ~2 s of CPU and of wall time, and the ranks read nothing else of it. As
+    torchrun does, the first rank to fail stops the others (they would wait for it in their next collective).
+    Returns a CompletedProcess: the exit code of the first rank that failed (else 0), the ranks' output in rank
+    order."""
+    cmd = [sys.executable, *args]
+    base = dict(env(), **(environ or {}), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), GROUP_RANK="0")
+    with tempfile.TemporaryDirectory() as logs:
+        files = [(open(Path(logs) / f"{r}.out", "w+"), open(Path(logs) / f"{r}.err", "w+")) for r in range(nproc)]
+        ranks = [subprocess.Popen(cmd, cwd=ROOT, env=dict(base, RANK=str(r), LOCAL_RANK=str(r)), stdout=out,
+                                  stderr=err, text=True) for r, (out, err) in enumerate(files)]
+        deadline, failed = time.monotonic() + timeout, 0
+        try:
+            while any(p.poll() is None for p in ranks):
+                failed = next((p.returncode for p in ranks if p.returncode not in (None, 0)), 0)
+                if failed:
+                    time.sleep(1)  # the others' own error lines first, where they have one
+                    break
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(cmd, timeout)
+                time.sleep(0.05)
+        finally:
+            for p in ranks:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        failed = failed or next((p.returncode for p in ranks if p.returncode != 0), 0)
+        outputs = []
+        for handles in files:
+            for f in handles:
+                f.seek(0)
+                outputs.append(f.read())
+                f.close()
+    return subprocess.CompletedProcess(cmd, failed, "".join(outputs[0::2]), "".join(outputs[1::2]))
 
 
 def records(dump: Path, kind: str = "loss") -> dict[int, dict]:

@@ -34,7 +34,9 @@ def plain(tmp_path_factory) -> Path:
 
 
 def _run(python: Path, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    # bytecode written (the venv was installed --no-compile): the first tool compiles what it imports, the others
+    # read it (with PYTHONDONTWRITEBYTECODE set, each of them compiled torch's Python files again: ~4 s a tool)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONDONTWRITEBYTECODE")}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
     return subprocess.run([str(python), *args], capture_output=True, text=True, timeout=900, cwd=cwd, env=env)
 

@@ -3,13 +3,10 @@ torchtitan's warm-up and decay (compared with torchtitan's own) held at its floo
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from helpers import RECIPE, env
+from helpers import RECIPE, run_ranks
 
 
 def _rates(build, steps: int = 30):
@@ -148,7 +145,6 @@ def test_clipping_and_update_over_shards(tmp_path, replicate):
     bit for bit (fused, foreach and for-loop), and keep the moments as DTensors."""
     script = tmp_path / "clip.py"
     script.write_text(_CLIP_SCRIPT)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script), str(replicate)], env=env(), capture_output=True, text=True, timeout=300)
+    proc = run_ranks([str(script), str(replicate)], 2, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("ok") == 2, proc.stdout  # both ranks ran every check

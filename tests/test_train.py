@@ -1,18 +1,16 @@
-"""The trainer, for real: torchrun with 2 processes over gloo, FSDP2 and HSDP, gradient accumulation, skipped
+"""The trainer, for real: 2 processes over gloo, FSDP2 and HSDP, gradient accumulation, skipped
 updates, a rank's error ending the run."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from helpers import QUICK, RECIPE, ROOT, env, losses, records, run_train, state
+from helpers import QUICK, RECIPE, ROOT, losses, records, run_ranks, run_train, state
 from hybridtitan.checkpoint import complete_steps
 
 
@@ -58,7 +56,7 @@ def test_gradient_accumulation_matches_larger_batch(tmp_path):
         assert abs(lb[step] - la[step]) < 1e-4 * lb[step], (step, lb[step], la[step])
 
 
-# Run under torchrun by test_hsdp_replicas_hold_equal_weights: the trainer itself (hybridtitan.train.Trainer) on
+# Run in 2 ranks by test_hsdp_replicas_hold_equal_weights: the trainer itself (hybridtitan.train.Trainer) on
 # 2 ranks as 2 replicas x 1 shard, then every rank's parameters gathered and compared.
 _HSDP_SCRIPT = """
 import sys, torch, torch.distributed as dist
@@ -84,11 +82,9 @@ def test_hsdp_replicas_hold_equal_weights(tmp_path):
     script = tmp_path / "hsdp.py"
     script.write_text(_HSDP_SCRIPT)
     dump = tmp_path / "hsdp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           "--job.config_file", RECIPE, "--job.dump_folder", str(dump), *QUICK, "--training.steps", "3",
-           "--checkpoint.enable", "true", "--checkpoint.interval", "3",
-           "--parallelism.data_parallel_replicate_degree", "2"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    proc = run_ranks([str(script), "--job.config_file", RECIPE, "--job.dump_folder", str(dump), *QUICK,
+                      "--training.steps", "3", "--checkpoint.enable", "true", "--checkpoint.interval", "3",
+                      "--parallelism.data_parallel_replicate_degree", "2"], 2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "replicate 2 x shard 1" in proc.stdout
     assert "replicas equal: True" in proc.stdout and "changed by training: 3" in proc.stdout, proc.stdout[-2000:]
@@ -149,7 +145,7 @@ def test_error_on_one_rank_with_a_background_save_ends_the_run_at_once(tmp_path)
     t0 = time.monotonic()
     proc = run_train(tmp_path / "run", *QUICK, "--training.steps", "200", "--data.path", str(data), "--data.shuffle",
                      "false", "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--checkpoint.async_mode",
-                     "async", "--comm.init_timeout_seconds", "240", check=False, timeout=600)
+                     "async", "--comm.init_timeout_seconds", "240", check=False, timeout=600, torchrun=True)
     assert proc.returncode != 0
     assert "error: data: document 201: 'text' holds int 7, not text" in proc.stderr.splitlines(), proc.stderr[-3000:]
     assert time.monotonic() - t0 < 180, "waited for the collective timeout"
@@ -163,7 +159,7 @@ def test_error_on_one_rank_ends_the_run_at_once(tmp_path):
                             + "\n" for i in range(40)))
     t0 = time.monotonic()
     proc = run_train(tmp_path / "run", *QUICK, "--training.steps", "4", "--data.path", str(data), "--data.shuffle",
-                     "false", "--comm.init_timeout_seconds", "240", check=False, timeout=600)
+                     "false", "--comm.init_timeout_seconds", "240", check=False, timeout=600, torchrun=True)
     assert proc.returncode != 0
     # the failing rank says it in one line, as for other bad input, not in a traceback of the data pipeline
     assert "error: data: shard 1 of 2 holds only empty documents" in proc.stderr.splitlines(), proc.stderr[-3000:]
@@ -172,7 +168,7 @@ def test_error_on_one_rank_ends_the_run_at_once(tmp_path):
     assert time.monotonic() - t0 < 180, "waited for the collective timeout"
 
 
-# Run under torchrun by test_eod_mask_loss_is_the_global_mean: the trainer on one fixed global batch of 4 rows,
+# Run in 1 or 2 ranks by test_eod_mask_loss_is_the_global_mean: the trainer on one fixed global batch of 4 rows,
 # each rank given its rows (a quarter of them per micro-batch and rank at most), one step, checkpoint saved.
 _GLOBAL_BATCH_SCRIPT = """
 import os, sys, torch
@@ -215,16 +211,14 @@ def test_eod_mask_loss_is_the_global_mean(tmp_path):
     dumps = {}
     for name, (nproc, local) in splits.items():
         dumps[name] = tmp_path / name
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(script), "--job.config_file", RECIPE, "--job.dump_folder", str(dumps[name]), *QUICK,
+        args = [str(script), "--job.config_file", RECIPE, "--job.dump_folder", str(dumps[name]), *QUICK,
                "--training.seq_len", str(T), "--training.local_batch_size", str(local),
                "--training.global_batch_size", "4", "--training.steps", "1", "--training.eod_mask_loss", "true",
                "--checkpoint.enable", "true", "--checkpoint.interval", "1", "--lr_scheduler.warmup_steps", "0",
                # Adam with a large eps: an update proportional to the gradient, which the weights then show (with
                # the usual eps, a gradient near zero would turn into a full step of either sign)
                "--optimizer.lr", "1.0", "--optimizer.eps", "1.0", "--optimizer.weight_decay", "0"]
-        proc = subprocess.run(cmd, cwd=ROOT, env=dict(env(), HT_TEST_BATCH=str(tmp_path / "batch.pt")),
-                              capture_output=True, text=True, timeout=600)
+        proc = run_ranks(args, nproc, environ={"HT_TEST_BATCH": str(tmp_path / "batch.pt")})
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # the expected loss: the initial model (the trainer's seed) on all 4 rows, masked where the input is EOD
     torch.manual_seed(42)  # as the trainer builds it: on the meta device, then initialised
