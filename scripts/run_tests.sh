@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Sets up .venv if needed and runs the test suite (CPU only; real FSDP2 over 2 gloo processes, real DCP
 # folders, real safetensors, real lm-eval runs). Extra arguments go to pytest.
-# Two pytest-xdist workers: most tests are single-process (imports, file I/O), so alone they leave a core idle;
-# beside them, the longest tests (tests/conftest.py starts them first) run on the other. ~10 instead of ~12.5
-# minutes of pytest on 2 cores. `-n 0` runs them in one process.
+# Two pytest-xdist workers, the longest tests started first (tests/conftest.py): most of the suite's time is Python
+# processes starting (torch, DTensor, transformers, datasets: ~5 s of CPU a trainer rank), which keeps both cores
+# busy. `-n 0` runs the tests in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_cpu.sh

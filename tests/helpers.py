@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,12 +29,6 @@ def env() -> dict:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_train(dump: Path, *extra: str, nproc: int = 2, check: bool = True, timeout: int = 600,
               recipe: str = RECIPE, torchrun: bool = False):
     """``python -m hybridtitan.train`` on the debug recipe: in ``nproc`` ranks (run_ranks), or alone for nproc=1 (no
@@ -57,15 +50,20 @@ def run_train(dump: Path, *extra: str, nproc: int = 2, check: bool = True, timeo
 
 
 def run_ranks(args: list[str], nproc: int, *, timeout: float = 600, environ: dict | None = None):
-    """``python ARGS`` in ``nproc`` processes, started as torchrun starts them (RANK, LOCAL_RANK, WORLD_SIZE,
-    MASTER_ADDR/PORT in their environment; rank 0 serves the store) but without its agent: a process fewer per run,
-    whose start and rendezvous cost ~2 s of CPU and of wall time, and the ranks read nothing else of it. As
-    torchrun does, the first rank to fail stops the others (they would wait for it in their next collective).
-    Returns a CompletedProcess: the exit code of the first rank that failed (else 0), the ranks' output in rank
-    order."""
+    """``python ARGS`` in ``nproc`` processes, started as torchrun starts them, without its agent process: the
+    store the ranks meet at is served from this process (as torchrun's agent serves it: bound before the ranks
+    start, so no port is picked and raced for), RANK, LOCAL_RANK, WORLD_SIZE and MASTER_ADDR/PORT are in their
+    environment. A process fewer per run: the agent's start and rendezvous cost ~2 s of CPU and of wall time, and
+    the ranks read nothing else of it. As torchrun does, the first rank to fail stops the others (they would wait
+    for it in their next collective). Returns a CompletedProcess: the exit code of the first rank that failed (else
+    0), the ranks' output in rank order."""
+    import torch.distributed as dist
+
     cmd = [sys.executable, *args]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     base = dict(env(), **(environ or {}), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), GROUP_RANK="0")
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), GROUP_RANK="0",
+                TORCHELASTIC_USE_AGENT_STORE="True")
     with tempfile.TemporaryDirectory() as logs:
         files = [(open(Path(logs) / f"{r}.out", "w+"), open(Path(logs) / f"{r}.err", "w+")) for r in range(nproc)]
         ranks = [subprocess.Popen(cmd, cwd=ROOT, env=dict(base, RANK=str(r), LOCAL_RANK=str(r)), stdout=out,
@@ -92,6 +90,7 @@ def run_ranks(args: list[str], nproc: int, *, timeout: float = 600, environ: dic
                 f.seek(0)
                 outputs.append(f.read())
                 f.close()
+    del store
     return subprocess.CompletedProcess(cmd, failed, "".join(outputs[0::2]), "".join(outputs[1::2]))
 
 
