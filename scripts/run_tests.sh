@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_cpu.sh
-# The suite starts ~400 Python processes: let them keep the bytecode of the package and the tests (some machines set
+# The suite starts ~340 Python processes: let them keep the bytecode of the package and the tests (some machines set
 # PYTHONDONTWRITEBYTECODE, and every process then compiled them again)
 unset PYTHONDONTWRITEBYTECODE
 python -m pytest -q -n 2 --dist worksteal tests "$@"

@@ -212,12 +212,12 @@ def test_eod_mask_loss_is_the_global_mean(tmp_path):
     for name, (nproc, local) in splits.items():
         dumps[name] = tmp_path / name
         args = [str(script), "--job.config_file", RECIPE, "--job.dump_folder", str(dumps[name]), *QUICK,
-               "--training.seq_len", str(T), "--training.local_batch_size", str(local),
-               "--training.global_batch_size", "4", "--training.steps", "1", "--training.eod_mask_loss", "true",
-               "--checkpoint.enable", "true", "--checkpoint.interval", "1", "--lr_scheduler.warmup_steps", "0",
-               # Adam with a large eps: an update proportional to the gradient, which the weights then show (with
-               # the usual eps, a gradient near zero would turn into a full step of either sign)
-               "--optimizer.lr", "1.0", "--optimizer.eps", "1.0", "--optimizer.weight_decay", "0"]
+                "--training.seq_len", str(T), "--training.local_batch_size", str(local),
+                "--training.global_batch_size", "4", "--training.steps", "1", "--training.eod_mask_loss", "true",
+                "--checkpoint.enable", "true", "--checkpoint.interval", "1", "--lr_scheduler.warmup_steps", "0",
+                # Adam with a large eps: an update proportional to the gradient, which the weights then show (with
+                # the usual eps, a gradient near zero would turn into a full step of either sign)
+                "--optimizer.lr", "1.0", "--optimizer.eps", "1.0", "--optimizer.weight_decay", "0"]
         proc = run_ranks(args, nproc, environ={"HT_TEST_BATCH": str(tmp_path / "batch.pt")})
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # the expected loss: the initial model (the trainer's seed) on all 4 rows, masked where the input is EOD
