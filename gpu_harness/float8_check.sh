@@ -61,6 +61,7 @@ for name in names:
     mean = statistics.fmean(losses[s] for s in range(steps - 49, steps + 1))
     base = mean if name == "bf16" else base
     rel = "" if base is None or name == "bf16" else f"{(mean - base) / base:+.2%}"
-    print(f"{name} | {steps} | {losses[1]:.4f} | {losses[50]:.4f} | {losses[100]:.4f} | {mean:.4f} | {rel}")
+    at = {s: f"{losses[s]:.4f}" if s in losses else "-" for s in (1, 50, 100)}  # (F8_LOSS_STEPS may be under 100)
+    print(f"{name} | {steps} | {at[1]} | {at[50]} | {at[100]} | {mean:.4f} | {rel}")
 EOF
 fi

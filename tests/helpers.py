@@ -64,34 +64,32 @@ def run_ranks(args: list[str], nproc: int, *, timeout: float = 600, environ: dic
     base = dict(env(), **(environ or {}), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), GROUP_RANK="0",
                 TORCHELASTIC_USE_AGENT_STORE="True")
-    with tempfile.TemporaryDirectory() as logs:
-        files = [(open(Path(logs) / f"{r}.out", "w+"), open(Path(logs) / f"{r}.err", "w+")) for r in range(nproc)]
-        ranks = [subprocess.Popen(cmd, cwd=ROOT, env=dict(base, RANK=str(r), LOCAL_RANK=str(r)), stdout=out,
-                                  stderr=err, text=True) for r, (out, err) in enumerate(files)]
-        deadline, failed = time.monotonic() + timeout, 0
-        try:
-            while any(p.poll() is None for p in ranks):
-                failed = next((p.returncode for p in ranks if p.returncode not in (None, 0)), 0)
-                if failed:
-                    time.sleep(1)  # the others' own error lines first, where they have one
-                    break
-                if time.monotonic() > deadline:
-                    raise subprocess.TimeoutExpired(cmd, timeout)
-                time.sleep(0.05)
-        finally:
-            for p in ranks:
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
-        failed = failed or next((p.returncode for p in ranks if p.returncode != 0), 0)
-        outputs = []
-        for handles in files:
-            for f in handles:
-                f.seek(0)
-                outputs.append(f.read())
-                f.close()
-    del store
-    return subprocess.CompletedProcess(cmd, failed, "".join(outputs[0::2]), "".join(outputs[1::2]))
+    outs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(nproc)]
+    ranks = [subprocess.Popen(cmd, cwd=ROOT, env=dict(base, RANK=str(r), LOCAL_RANK=str(r)), stdout=out, stderr=err,
+                              text=True) for r, (out, err) in enumerate(outs)]
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in ranks) and not any(p.returncode for p in ranks):
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(cmd, timeout)
+            time.sleep(0.05)
+        failed = next((p.returncode for p in ranks if p.returncode), 0)
+        if failed and any(p.poll() is None for p in ranks):
+            time.sleep(1)  # the others' own error lines first, where they have one
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        del store
+    return subprocess.CompletedProcess(cmd, failed, "".join(_read(out) for out, _ in outs),
+                                       "".join(_read(err) for _, err in outs))
+
+
+def _read(file) -> str:
+    with file:
+        file.seek(0)
+        return file.read()
 
 
 def records(dump: Path, kind: str = "loss") -> dict[int, dict]:

@@ -37,7 +37,8 @@ ALL_TARGETS = ("gfx942", "gfx950", "sm_90")
 SUITE_RECORDS = 6
 # The check runs with --jobs 1: each worker process imports torch, Triton and FLA for its target (~4 s), which is
 # most of its CPU time at the suite's few records; a second worker per target cost more than it saved beside the
-# suite's other tests (41 vs 26 s of CPU for the 6 records x 3 targets, 2026-12-03).
+# suite's other tests (41 vs 26 s of CPU for the 6 records x 3 targets, 2026-12-03: `python
+# gpu_harness/rocm_compile_check.py --targets gfx942,gfx950,sm_90 --one-per-kernel --max-kernels 6 --jobs 2|1`).
 
 
 def _check_module():
