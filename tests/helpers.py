@@ -1,5 +1,6 @@
-"""What the tests of the trainer share: running it for real (its ranks in subprocesses, FSDP2 over gloo), reading
-what a run wrote, and calling its entry point in-process for the one-line errors."""
+"""What the tests of the trainer share: running it for real (its ranks in processes of their own, FSDP2 over gloo;
+forked from a server that has imported the package, tests/preloaded.py), reading what a run wrote, and calling its
+entry point in-process for the one-line errors."""
 
 from __future__ import annotations
 
@@ -40,8 +41,7 @@ def run_train(dump: Path, *extra: str, nproc: int = 2, check: bool = True, timeo
                                f"--nproc_per_node={nproc}", *args], cwd=ROOT, env=env(), capture_output=True,
                               text=True, timeout=timeout)
     elif nproc == 1:
-        proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env(), capture_output=True, text=True,
-                              timeout=timeout)
+        proc = run_processes(args, [env()], timeout=timeout)
     else:
         proc = run_ranks(args, nproc, timeout=timeout)
     if check and proc.returncode != 0:
@@ -55,41 +55,125 @@ def run_ranks(args: list[str], nproc: int, *, timeout: float = 600, environ: dic
     start, so no port is picked and raced for), RANK, LOCAL_RANK, WORLD_SIZE and MASTER_ADDR/PORT are in their
     environment. A process fewer per run: the agent's start and rendezvous cost ~2 s of CPU and of wall time, and
     the ranks read nothing else of it. As torchrun does, the first rank to fail stops the others (they would wait
-    for it in their next collective). Returns a CompletedProcess: the exit code of the first rank that failed (else
-    0), the ranks' output in rank order."""
+    for it in their next collective). Returns run_processes' CompletedProcess."""
     import torch.distributed as dist
 
-    cmd = [sys.executable, *args]
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     base = dict(env(), **(environ or {}), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), GROUP_RANK="0",
                 TORCHELASTIC_USE_AGENT_STORE="True")
-    outs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(nproc)]
-    ranks = [subprocess.Popen(cmd, cwd=ROOT, env=dict(base, RANK=str(r), LOCAL_RANK=str(r)), stdout=out, stderr=err,
-                              text=True) for r, (out, err) in enumerate(outs)]
+    try:
+        return run_processes(args, [dict(base, RANK=str(r), LOCAL_RANK=str(r)) for r in range(nproc)],
+                             timeout=timeout)
+    finally:
+        del store
+
+
+def run_processes(args: list[str], environs: list[dict], *, timeout: float = 600):
+    """``python ARGS`` in one process per environment (start()). The first process to fail stops the others.
+    Returns a CompletedProcess: the exit code of the first process that failed (else 0), the processes' output in
+    order."""
+    procs = [start(args, environ) for environ in environs]
     deadline = time.monotonic() + timeout
     try:
-        while any(p.poll() is None for p in ranks) and not any(p.returncode for p in ranks):
+        while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
             if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(cmd, timeout)
+                raise subprocess.TimeoutExpired([sys.executable, *args], timeout)
             time.sleep(0.05)
-        failed = next((p.returncode for p in ranks if p.returncode), 0)
-        if failed and any(p.poll() is None for p in ranks):
+        failed = next((p.poll() for p in procs if p.poll()), 0)
+        if failed and any(p.poll() is None for p in procs):
             time.sleep(1)  # the others' own error lines first, where they have one
     finally:
-        for p in ranks:
+        for p in procs:
             if p.poll() is None:
                 p.kill()
-            p.wait()
-        del store
-    return subprocess.CompletedProcess(cmd, failed, "".join(_read(out) for out, _ in outs),
-                                       "".join(_read(err) for _, err in outs))
+    outputs = [p.communicate() for p in procs]
+    return subprocess.CompletedProcess([sys.executable, *args], failed, "".join(out for out, _ in outputs),
+                                       "".join(err for _, err in outputs))
 
 
-def _read(file) -> str:
-    with file:
-        file.seek(0)
-        return file.read()
+def start(args: list[str], environ: dict | None = None) -> Started:
+    """``python ARGS`` (``-m MODULE ...`` or ``SCRIPT ...``) with ``environ`` (default env()) in the repository's
+    folder, its output kept in files: forked from the fork server of tests/preloaded.py (the trainer's, the
+    evaluation's and the exports' modules imported), which becomes a fresh interpreter where the environment
+    would change what those imports did (tests/forked.py)."""
+    environ = env() if environ is None else environ
+    return Started(args, environ, _fork_server())
+
+
+class Started:
+    """A process of start(), used as a Popen: poll(), kill(), wait(), communicate() -> (stdout, stderr) as text,
+    returncode."""
+
+    def __init__(self, args: list[str], environ: dict, server: _ForkServer):
+        from forked import run_as_python
+
+        self.args = [sys.executable, *args]
+        self._folder = tempfile.TemporaryDirectory(prefix="hybridtitan-test-")
+        self._out, self._err = (os.path.join(self._folder.name, name) for name in ("stdout", "stderr"))
+        self._process = server.context.Process(target=run_as_python,
+                                               args=(args, environ, str(ROOT), self._out, self._err))
+        self._process.start()
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def kill(self) -> None:
+        self._process.kill()
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._process.exitcode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Waits for the end (as Popen.communicate: a TimeoutExpired leaves the process running), then the output."""
+        self.wait(timeout)
+        with open(self._out) as out, open(self._err) as err:
+            output = out.read(), err.read()
+        self._folder.cleanup()
+        return output
+
+
+class _ForkServer:
+    """A multiprocessing fork server that has imported tests/preloaded.py, started once per pytest worker."""
+
+    def __init__(self):
+        import multiprocessing
+        from multiprocessing import forkserver
+
+        self.context = multiprocessing.get_context("forkserver")
+        self.context.set_forkserver_preload(["preloaded", "forked"])
+        # the server imports in a trainer's environment (some modules read it at import), made from this process's
+        # environment as the tests found it (not one a test has changed for its own runs), with this folder on
+        # the path: Python 3.11's fork server does not take this process's sys.path, and drops a preload module
+        # that it cannot import without a word
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(_ENVIRON)
+        server = env()
+        os.environ.update(server, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), server["PYTHONPATH"]]))
+        try:
+            forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+_SERVER: _ForkServer | None = None
+_ENVIRON = dict(os.environ)
+
+
+def _fork_server() -> _ForkServer:
+    global _SERVER
+    if _SERVER is None:
+        _SERVER = _ForkServer()
+    return _SERVER
 
 
 def records(dump: Path, kind: str = "loss") -> dict[int, dict]:

@@ -18,20 +18,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import Started, env, start
+
 REPO = Path(__file__).resolve().parents[1]
 FLAVORS = ("debug_gdn", "debug_kda", "debug_mamba2", "debug_hybrid")
 STEPS = 2
 
 
-def cli_env() -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    return env
-
-
-def run_cli(*args: str, **popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", *args], cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **popen)
+def run_cli(*args: str) -> Started:
+    """``python -m ARGS`` (helpers.start: forked from the preloaded server), used as a Popen."""
+    return start(["-m", *args])
 
 
 def train_debug_checkpoints(tmp_path_factory) -> dict[str, Path]:
@@ -195,7 +191,7 @@ def test_trust_remote_code_folder_saved_again_still_loads(trained, exports, tmp_
     for src, dst, logits in ((exports["debug_hybrid", "hybridtitan"], again, tmp_path / "a.pt"),
                              (again, "-", tmp_path / "b.pt")):
         proc = subprocess.run([sys.executable, "-c", RESAVE, str(src), str(dst), str(logits)], cwd=tmp_path,
-                              env=cli_env(), capture_output=True, text=True, timeout=300)
+                              env=env(), capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((again / "config.json").read_text())["auto_map"] == AUTO_MAP
     assert sorted(p.name for p in again.glob("*.py")) == sorted(FILES)

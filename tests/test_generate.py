@@ -17,7 +17,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_export_hf import REPO, cli_env, run_cli, train_debug_checkpoints
+from test_export_hf import REPO, run_cli, train_debug_checkpoints
+
+from helpers import env
 
 FLAVORS = ("debug_hybrid", "debug_mamba2")
 PROMPT = "Return the number of"
@@ -171,9 +173,13 @@ def _read_until(fd, pattern: bytes, timeout: float = 120) -> bytes:
 def _spawn_in_pty(*args: str):
     pid, fd = pty.fork()
     if pid == 0:  # the child: its controlling terminal is the pty (Ctrl-C there is SIGINT)
-        env = {**cli_env(), "TERM": "dumb"}
+        # started as a shell starts a command: SIGINT neither ignored nor blocked, whatever the test process (a
+        # pytest worker that earlier tests ran in) had made of it; both are inherited through exec
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        terminal = {**env(), "TERM": "dumb"}
         os.chdir(REPO)
-        os.execve(sys.executable, [sys.executable, "-m", "hybridtitan.generate", *args], env)
+        os.execve(sys.executable, [sys.executable, "-m", "hybridtitan.generate", *args], terminal)
     return pid, fd
 
 

@@ -5,7 +5,6 @@ read from its metrics), with debug flavors and small shapes, so that the scripts
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -13,15 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from helpers import env, run_processes
+
 REPO = Path(__file__).resolve().parents[1]
 HARNESS = REPO / "gpu_harness"
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
 
 
 # a guard against a hang only: the dry runs take 20-90 s on 2 loaded cores
 def _run(args: list[str], timeout: int = 1200) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=ENV, capture_output=True, text=True,
-                          timeout=timeout)
+    """``python SCRIPT ...`` in the repository's folder (forked from the tests' preloaded server: helpers.start)."""
+    return run_processes(args, [env()], timeout=timeout)
 
 
 def _import(name: str):
