@@ -24,15 +24,16 @@ import sys
 ENVIRON_BEFORE_IMPORTS = dict(os.environ, PYTHONPATH=os.environ["PYTHONPATH"].split(os.pathsep, 1)[1])
 
 # What the trainer, the evaluation, generation and the exports import before their work starts (the tokenizer's,
-# the dataset's and lm-eval's libraries are imported inside the functions that use them) ...
+# the dataset's and lm-eval's libraries are imported inside the functions that use them), less what writes to stderr
+# as it is imported (FLA's CPU notice; transformers' model classes, through torchao): a fork must print what a fresh
+# interpreter prints, for the tests of one-line errors ...
 import datasets  # noqa: E402, F401
-import fla  # noqa: E402, F401  (the GPU harness's dry runs, the ROCm compile check)
 import lm_eval.evaluator  # noqa: E402, F401
 import lm_eval.tasks  # noqa: E402, F401
 import scipy.io  # noqa: E402, F401  (datasets imports it to patch it when it streams a dataset)
 import torch._dynamo  # noqa: E402, F401  (FSDP2's DTensors import it on their first use)
 import transformers  # noqa: E402, F401
-from transformers.models.auto import modeling_auto, tokenization_auto  # noqa: E402, F401
+from transformers.models.auto import tokenization_auto  # noqa: E402, F401
 
 import hybridtitan  # noqa: E402
 
