@@ -58,9 +58,9 @@ def run_as_python(args: list[str], environ: dict[str, str], cwd: str, stdout: st
         traceback.print_exc()
         code = 1
     try:
-        for thread in threading.enumerate():  # Python joins the non-daemon threads, then runs atexit
-            if thread is not threading.main_thread() and not thread.daemon:
-                thread.join()
+        # Python's own shutdown: threading's exit hooks (they stop the thread pools' workers) and the join of the
+        # non-daemon threads, then the atexit functions
+        threading._shutdown()
         atexit._run_exitfuncs()
     finally:
         sys.stdout.flush()

@@ -45,3 +45,15 @@ def test_another_start_up_environment_gets_a_fresh_interpreter(tmp_path):
     changed = dict(env(), PYTHONPATH=f"{tmp_path}:{env()['PYTHONPATH']}")
     code, out, err = _run(tmp_path, "exit", "0", environ=changed)
     assert code == 0 and "forked False" in out, out + err
+
+
+def test_a_fork_ends_with_a_thread_pool_still_open(tmp_path):
+    """As Python does at exit, threading's exit hooks stop a ThreadPoolExecutor's workers before the threads are
+    joined (joining them first waits for ever): a pool that lives as long as the process, as a library's
+    module-level one (torch.compile's, the GPU harness's) does."""
+    script = tmp_path / "pool.py"
+    script.write_text("import sys\nfrom concurrent.futures import ThreadPoolExecutor\n"
+                      "sys.pool = ThreadPoolExecutor(2)\nprint(sys.pool.submit(sum, [1, 2]).result())\n")
+    proc = start([str(script)])
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and out == "3\n", err
