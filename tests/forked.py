@@ -1,8 +1,9 @@
 """What a process forked from the tests' fork server (tests/preloaded.py, tests/helpers.start) runs:
 ``python -m MODULE`` or ``python SCRIPT`` as Python runs them: ``runpy`` with ``__main__`` as the name and
-sys.path[0] as Python sets it, an exception printed with its traceback and exit code 1, ``SystemExit``'s code, the
-threads joined and the atexit functions run before the process ends. A process whose environment would have changed
-what the server's imports did (another PYTHONPATH, TRITON_INTERPRET, ...) becomes a fresh interpreter instead (exec).
+sys.path[0] as Python sets it, an exception printed with its traceback and exit code 1 (an uncaught
+KeyboardInterrupt: the traceback, then death by SIGINT), ``SystemExit``'s code, threading's exit hooks, the threads
+joined and the atexit functions run before the process ends. A process whose environment would have changed what the
+server's imports did (another PYTHONPATH, TRITON_INTERPRET, ...) becomes a fresh interpreter instead (exec).
 Light to import: the tests import it to name the function a fork runs."""
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import traceback
 # a rank's torchrun variables, pytest's, the tests' own, the terminal's size, are read at run time)
 READ_AT_IMPORT = ("PYTHON", "TRITON", "TORCH", "HF_", "TRANSFORMERS", "TOKENIZERS", "DATASETS", "LM_EVAL", "FLA_",
                   "OMP_", "MKL_", "KMP_", "CUDA", "LD_")
+# ... less those of these names that are read at run time: torchrun's TORCHELASTIC_* (a rank's process group reads
+# TORCHELASTIC_USE_AGENT_STORE as it starts; tests/helpers.run_ranks sets it for every rank)
+READ_AT_RUN_TIME = ("TORCHELASTIC_",)
 
 
 def run_as_python(args: list[str], environ: dict[str, str], cwd: str, stdout: str, stderr: str) -> None:
@@ -54,6 +58,9 @@ def run_as_python(args: list[str], environ: dict[str, str], cwd: str, stdout: st
             runpy.run_path(args[0], run_name="__main__")
     except SystemExit as e:
         code = _exit_code(e.code)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = -signal.SIGINT
     except BaseException:  # noqa: BLE001 -- Python's own behaviour: the traceback, exit code 1
         traceback.print_exc()
         code = 1
@@ -65,6 +72,9 @@ def run_as_python(args: list[str], environ: dict[str, str], cwd: str, stdout: st
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+        if code == -signal.SIGINT:  # as Python ends on an uncaught KeyboardInterrupt: killed by SIGINT
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
         os._exit(code)
 
 
@@ -74,7 +84,8 @@ def _imports_alike(environ: dict[str, str]) -> bool:
     from preloaded import ENVIRON_AFTER_IMPORTS, ENVIRON_BEFORE_IMPORTS
 
     return all(environ.get(k) in (ENVIRON_BEFORE_IMPORTS.get(k), ENVIRON_AFTER_IMPORTS.get(k))
-               for k in {*environ, *ENVIRON_BEFORE_IMPORTS} if k.startswith(READ_AT_IMPORT))
+               for k in {*environ, *ENVIRON_BEFORE_IMPORTS}
+               if k.startswith(READ_AT_IMPORT) and not k.startswith(READ_AT_RUN_TIME))
 
 
 def _exit_code(code) -> int:

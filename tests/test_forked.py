@@ -1,12 +1,14 @@
 """The tests' forked processes (tests/helpers.start, tests/forked.py) behave as `python SCRIPT` does: its argv, its
-environment and folder, its exit code (SystemExit's, 1 with the traceback for an exception, 0), the atexit functions
-run at the end; and a process whose environment would change what the server imported is a fresh interpreter."""
+environment and folder, its exit code (SystemExit's, 1 with the traceback for an exception, death by SIGINT for an
+uncaught KeyboardInterrupt, 0), the atexit functions run at the end; and a process whose environment would change
+what the server imported is a fresh interpreter."""
 
 from __future__ import annotations
 
+import signal
 import textwrap
 
-from helpers import ROOT, env, start
+from helpers import ROOT, env, run_ranks, start
 
 SCRIPT = textwrap.dedent("""
     import atexit, os, sys
@@ -15,6 +17,8 @@ SCRIPT = textwrap.dedent("""
     print("forked", "preloaded" in sys.modules)
     if sys.argv[1] == "raise":
         raise ValueError("a bad value")
+    if sys.argv[1] == "interrupt":
+        raise KeyboardInterrupt
     if sys.argv[1] == "exit":
         sys.exit(int(sys.argv[2]))
 """)
@@ -36,8 +40,19 @@ def test_a_fork_runs_as_python_runs_a_script(tmp_path):
     code, out, err = _run(tmp_path, "raise")
     assert code == 1 and "Traceback" in err and err.rstrip().endswith("ValueError: a bad value"), err
     assert "atexit ran" in out
+    code, out, err = _run(tmp_path, "interrupt")
+    assert code == -signal.SIGINT and err.rstrip().endswith("KeyboardInterrupt"), (code, err)
     code, out, _ = _run(tmp_path, "end")
     assert code == 0 and "atexit ran" in out
+
+
+def test_the_ranks_of_a_run_are_forks(tmp_path):
+    """run_ranks' environment (torchrun's variables, TORCHELASTIC_USE_AGENT_STORE among them) is read at run time:
+    each rank is a fork of the server, not a fresh interpreter."""
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    proc = run_ranks([str(script), "end"], 2, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.count("forked True") == 2, proc.stdout + proc.stderr
 
 
 def test_another_start_up_environment_gets_a_fresh_interpreter(tmp_path):
