@@ -3,12 +3,14 @@
 sys.path[0] as Python sets it, an exception printed with its traceback and exit code 1 (an uncaught
 KeyboardInterrupt: the traceback, then death by SIGINT), ``SystemExit``'s code, threading's exit hooks, the threads
 joined and the atexit functions run before the process ends. A process whose environment would have changed what the
-server's imports did (another PYTHONPATH, TRITON_INTERPRET, ...) becomes a fresh interpreter instead (exec).
+server's imports did (another PYTHONPATH, TRITON_INTERPRET, ...), or one asked to be fresh (the ranks of a
+multi-process run: tests/helpers.run_ranks), becomes a fresh interpreter instead (exec).
 Light to import: the tests import it to name the function a fork runs."""
 
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import io
 import os
 import runpy
@@ -22,13 +24,15 @@ import traceback
 READ_AT_IMPORT = ("PYTHON", "TRITON", "TORCH", "HF_", "TRANSFORMERS", "TOKENIZERS", "DATASETS", "LM_EVAL", "FLA_",
                   "OMP_", "MKL_", "KMP_", "CUDA", "LD_")
 # ... less those of these names that are read at run time: torchrun's TORCHELASTIC_* (a rank's process group reads
-# TORCHELASTIC_USE_AGENT_STORE as it starts; tests/helpers.run_ranks sets it for every rank)
+# TORCHELASTIC_USE_AGENT_STORE as it starts)
 READ_AT_RUN_TIME = ("TORCHELASTIC_",)
 
 
-def run_as_python(args: list[str], environ: dict[str, str], cwd: str, stdout: str, stderr: str) -> None:
+def run_as_python(args: list[str], environ: dict[str, str], cwd: str, stdout: str, stderr: str,
+                  fresh: bool = False) -> None:
     """In the forked process: ``python ARGS`` (``-m MODULE ...`` or ``SCRIPT ...``) with ``environ``, in ``cwd``,
-    its output appended to the files ``stdout`` and ``stderr``; ends the process with Python's exit code."""
+    its output appended to the files ``stdout`` and ``stderr``; ends the process with Python's exit code. A fresh
+    interpreter (exec) where ``fresh`` asks for one or the environment would change the server's imports."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(environ)
@@ -36,13 +40,16 @@ def run_as_python(args: list[str], environ: dict[str, str], cwd: str, stdout: st
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(target, fd)
         os.close(target)
-    if not _imports_alike(environ):
+    if fresh or not _imports_alike(environ):
         os.execve(sys.executable, [sys.executable, *args], environ)
     # PYTHONUNBUFFERED's streams: written through at once, as the ranks of a crashing run must be
     sys.stdout = io.TextIOWrapper(open(1, "wb", 0, closefd=False), encoding="utf-8", write_through=True,
                                   line_buffering=True)
     sys.stderr = io.TextIOWrapper(open(2, "wb", 0, closefd=False), encoding="utf-8", errors="backslashreplace",
                                   write_through=True, line_buffering=True)
+    # a fork that dies of a fatal signal prints the Python stack of each thread (then dies of the signal): a
+    # crash in a forked process says where it was
+    faulthandler.enable()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     code = 0

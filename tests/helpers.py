@@ -1,6 +1,6 @@
 """What the tests of the trainer share: running it for real (its ranks in processes of their own, FSDP2 over gloo;
-forked from a server that has imported the package, tests/preloaded.py), reading what a run wrote, and calling its
-entry point in-process for the one-line errors."""
+a single process forked from a server that has imported the package, tests/preloaded.py), reading what a run
+wrote, and calling its entry point in-process for the one-line errors."""
 
 from __future__ import annotations
 
@@ -55,7 +55,12 @@ def run_ranks(args: list[str], nproc: int, *, timeout: float = 600, environ: dic
     start, so no port is picked and raced for), RANK, LOCAL_RANK, WORLD_SIZE and MASTER_ADDR/PORT are in their
     environment. A process fewer per run: the agent's start and rendezvous cost ~2 s of CPU and of wall time, and
     the ranks read nothing else of it. As torchrun does, the first rank to fail stops the others (they would wait
-    for it in their next collective). Returns run_processes' CompletedProcess."""
+    for it in their next collective). Returns run_processes' CompletedProcess.
+
+    The ranks are fresh interpreters, not forks of the preloaded server: a forked rank of a 2-rank gloo run died
+    of SIGSEGV inside a collective, once in ~3 runs of the suite (CI, 2026-12-03,
+    test_clipping_and_update_over_shards[1]; 76 repeats of that test, two at a time, did not reproduce it), where
+    fresh ranks had never crashed. A single process (run_train with nproc=1, the command lines) is forked."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -64,16 +69,16 @@ def run_ranks(args: list[str], nproc: int, *, timeout: float = 600, environ: dic
                 TORCHELASTIC_USE_AGENT_STORE="True")
     try:
         return run_processes(args, [dict(base, RANK=str(r), LOCAL_RANK=str(r)) for r in range(nproc)],
-                             timeout=timeout)
+                             timeout=timeout, fresh=True)
     finally:
         del store
 
 
-def run_processes(args: list[str], environs: list[dict], *, timeout: float = 600):
-    """``python ARGS`` in one process per environment (start()). The first process to fail stops the others.
-    Returns a CompletedProcess: the exit code of the first process that failed (else 0), the processes' output in
-    order."""
-    procs = [start(args, environ) for environ in environs]
+def run_processes(args: list[str], environs: list[dict], *, timeout: float = 600, fresh: bool = False):
+    """``python ARGS`` in one process per environment (start(), ``fresh`` as there). The first process to fail
+    stops the others. Returns a CompletedProcess: the exit code of the first process that failed (else 0), the
+    processes' output in order."""
+    procs = [start(args, environ, fresh=fresh) for environ in environs]
     deadline = time.monotonic() + timeout
     try:
         while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
@@ -92,27 +97,27 @@ def run_processes(args: list[str], environs: list[dict], *, timeout: float = 600
                                        "".join(err for _, err in outputs))
 
 
-def start(args: list[str], environ: dict | None = None) -> Started:
+def start(args: list[str], environ: dict | None = None, *, fresh: bool = False) -> Started:
     """``python ARGS`` (``-m MODULE ...`` or ``SCRIPT ...``) with ``environ`` (default env()) in the repository's
     folder, its output kept in files: forked from the fork server of tests/preloaded.py (the trainer's, the
     evaluation's and the exports' modules imported), which becomes a fresh interpreter where the environment
-    would change what those imports did (tests/forked.py)."""
+    would change what those imports did (tests/forked.py), or where ``fresh`` asks for one."""
     environ = env() if environ is None else environ
-    return Started(args, environ, _fork_server())
+    return Started(args, environ, _fork_server(), fresh)
 
 
 class Started:
     """A process of start(), used as a Popen: poll(), kill(), wait(), communicate() -> (stdout, stderr) as text,
     returncode."""
 
-    def __init__(self, args: list[str], environ: dict, server: _ForkServer):
+    def __init__(self, args: list[str], environ: dict, server: _ForkServer, fresh: bool = False):
         from forked import run_as_python
 
         self.args = [sys.executable, *args]
         self._folder = tempfile.TemporaryDirectory(prefix="hybridtitan-test-")
         self._out, self._err = (os.path.join(self._folder.name, name) for name in ("stdout", "stderr"))
         self._process = server.context.Process(target=run_as_python,
-                                               args=(args, environ, str(ROOT), self._out, self._err))
+                                               args=(args, environ, str(ROOT), self._out, self._err, fresh))
         self._process.start()
 
     @property

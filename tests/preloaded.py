@@ -9,8 +9,8 @@ working folder, argv and output files and runs ``python -m MODULE`` / ``python S
 
 What a fork cannot give, the tests that need it launch a fresh interpreter (tests/helpers.py decides): a process
 whose environment differs from the server's in what is read at start-up or import (PYTHONPATH's code loaded at
-interpreter start, TRITON_INTERPRET, ...), and the tests of `python -m` or torchrun itself (the docs, cluster,
-signal, Slurm and install tests)."""
+interpreter start, TRITON_INTERPRET, ...), the ranks of a multi-process run (tests/helpers.run_ranks says why),
+and the tests of `python -m` or torchrun itself (the docs, cluster, signal, Slurm and install tests)."""
 
 from __future__ import annotations
 
