@@ -1,5 +1,5 @@
-"""Shared test setup: offline Hugging Face, quiet FLA on CPU, one thread, a fixed seed for every test; a runner
-for scripts under Triton's interpreter."""
+"""Shared test setup: offline Hugging Face, quiet FLA on CPU, one thread (here and in every process a test starts), a
+fixed seed for every test; a runner for scripts under Triton's interpreter."""
 
 import os
 import subprocess
@@ -9,6 +9,11 @@ from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
+# One OpenMP thread in every process a test starts (the docs' commands, the GPU and ROCm scripts' dry runs, ...), as
+# torchrun gives its ranks: with the other pytest worker busy on the second core, a process's second OpenMP thread
+# spins waiting for the core (docs/data.md's commands beside a busy core: 53.6 CPU-s with 2 threads, 25.9 s with 1;
+# /usr/bin/time on its test, 2026-12-04).
+os.environ["OMP_NUM_THREADS"] = "1"
 # Building a local dataset's cache (the first load on a fresh machine) draws progress bars on stderr, which the
 # one-line-error tests capture: off in the tests and their subprocesses.
 os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"
