@@ -11,7 +11,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 # One OpenMP thread in every process a test starts (the docs' commands, the GPU and ROCm scripts' dry runs, ...), as
 # torchrun gives its ranks: with the other pytest worker busy on the second core, a process's second OpenMP thread
-# spins waiting for the core (docs/data.md's commands beside a busy core: 53.6 CPU-s with 2 threads, 25.9 s with 1;
+# spins waiting for the core (docs/data.md's commands beside a busy core: 53.6 CPU-s with 2 threads, 25.9 CPU-s with 1;
 # /usr/bin/time on its test, 2026-12-04).
 os.environ["OMP_NUM_THREADS"] = "1"
 # Building a local dataset's cache (the first load on a fresh machine) draws progress bars on stderr, which the

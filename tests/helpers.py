@@ -59,8 +59,9 @@ def run_ranks(args: list[str], nproc: int, *, timeout: float = 600, environ: dic
 
     The ranks are fresh interpreters, not forks of the preloaded server: a forked rank of a 2-rank gloo run died
     of SIGSEGV inside a collective, once in ~3 runs of the suite (CI, 2026-12-03,
-    test_clipping_and_update_over_shards[1]; 76 repeats of that test, two at a time, did not reproduce it), where
-    fresh ranks had never crashed. A single process (run_train with nproc=1, the command lines) is forked."""
+    test_clipping_and_update_over_shards[1]), where fresh ranks had never crashed; 376 runs of that test's
+    script with forked ranks, two or three at a time on 2 cores, did not reproduce it (2026-12-03/04), and the cause
+    is not known. A single process (run_train with nproc=1, the command lines) is forked."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

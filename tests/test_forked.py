@@ -48,10 +48,11 @@ def test_a_fork_runs_as_python_runs_a_script(tmp_path):
 
 def test_torchruns_variables_keep_a_fork_and_the_ranks_of_a_run_are_fresh(tmp_path):
     """torchrun's TORCHELASTIC_* variables are read at run time: a process with them is still a fork. The ranks of
-    a multi-process run (run_ranks) are fresh interpreters, as tests/helpers.run_ranks says why."""
+    a multi-process run (run_ranks) are fresh interpreters (tests/helpers.run_ranks says why)."""
     code, out, err = _run(tmp_path, "exit", "0", environ=dict(env(), TORCHELASTIC_USE_AGENT_STORE="True"))
     assert code == 0 and "forked True" in out, out + err
     script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
     proc = run_ranks([str(script), "end"], 2, timeout=300)
     assert proc.returncode == 0 and proc.stdout.count("forked False") == 2, proc.stdout + proc.stderr
 
