@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,13 @@ def env() -> dict:
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     out["PYTHONPATH"] = str(ROOT) + os.pathsep + out.get("PYTHONPATH", "")
     return out
+
+
+# A forked process killed by one of these died of a fault in native code (run_ranks says what follows)
+FATAL_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
+# The crashes of forked processes in this pytest worker, in order: the command, the signal and the end of its stderr
+# (faulthandler's Python stacks). After the first, every process start() starts is a fresh interpreter.
+FORK_CRASHES: list[str] = []
 
 
 def run_train(dump: Path, *extra: str, nproc: int = 2, check: bool = True, timeout: int = 600,
@@ -57,11 +65,13 @@ def run_ranks(args: list[str], nproc: int, *, timeout: float = 600, environ: dic
     the ranks read nothing else of it. As torchrun does, the first rank to fail stops the others (they would wait
     for it in their next collective). Returns run_processes' CompletedProcess.
 
-    The ranks are fresh interpreters, not forks of the preloaded server: a forked rank of a 2-rank gloo run died
-    of SIGSEGV inside a collective, once in ~3 runs of the suite (CI, 2026-12-03,
-    test_clipping_and_update_over_shards[1]), where fresh ranks had never crashed; 376 runs of that test's
-    script with forked ranks, two or three at a time on 2 cores, did not reproduce it (2026-12-03/04), and the cause
-    is not known. A single process (run_train with nproc=1, the command lines) is forked."""
+    The ranks are forks of the preloaded server (start()), as a single process is: a fresh rank spends ~4.5 s of CPU
+    importing before it trains, and the suite starts ~80 ranks. A forked rank of a 2-rank gloo run once died of
+    SIGSEGV (CI, 2026-12-03, test_clipping_and_update_over_shards[1]); 752 forked ranks since did not reproduce it
+    (2026-12-03/04) and the cause is not known. So a forked process killed by a fatal signal is recorded
+    (FORK_CRASHES, with faulthandler's Python stacks from its stderr), every later process of this pytest worker is
+    a fresh interpreter, and a test that failed with such a crash runs once more (tests/conftest.py), with a warning
+    that quotes the crash: a crash of the product itself recurs in fresh processes and fails the test."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -70,16 +80,16 @@ def run_ranks(args: list[str], nproc: int, *, timeout: float = 600, environ: dic
                 TORCHELASTIC_USE_AGENT_STORE="True")
     try:
         return run_processes(args, [dict(base, RANK=str(r), LOCAL_RANK=str(r)) for r in range(nproc)],
-                             timeout=timeout, fresh=True)
+                             timeout=timeout)
     finally:
         del store
 
 
-def run_processes(args: list[str], environs: list[dict], *, timeout: float = 600, fresh: bool = False):
-    """``python ARGS`` in one process per environment (start(), ``fresh`` as there). The first process to fail
-    stops the others. Returns a CompletedProcess: the exit code of the first process that failed (else 0), the
-    processes' output in order."""
-    procs = [start(args, environ, fresh=fresh) for environ in environs]
+def run_processes(args: list[str], environs: list[dict], *, timeout: float = 600):
+    """``python ARGS`` in one process per environment (start()). The first process to fail stops the others.
+    Returns a CompletedProcess: the exit code of the first process that failed (else 0), the processes' output in
+    order."""
+    procs = [start(args, environ) for environ in environs]
     deadline = time.monotonic() + timeout
     try:
         while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
@@ -98,13 +108,13 @@ def run_processes(args: list[str], environs: list[dict], *, timeout: float = 600
                                        "".join(err for _, err in outputs))
 
 
-def start(args: list[str], environ: dict | None = None, *, fresh: bool = False) -> Started:
+def start(args: list[str], environ: dict | None = None) -> Started:
     """``python ARGS`` (``-m MODULE ...`` or ``SCRIPT ...``) with ``environ`` (default env()) in the repository's
     folder, its output kept in files: forked from the fork server of tests/preloaded.py (the trainer's, the
     evaluation's and the exports' modules imported), which becomes a fresh interpreter where the environment
-    would change what those imports did (tests/forked.py), or where ``fresh`` asks for one."""
+    would change what those imports did (tests/forked.py), or once a forked process has crashed (run_ranks)."""
     environ = env() if environ is None else environ
-    return Started(args, environ, _fork_server(), fresh)
+    return Started(args, environ, _fork_server(), fresh=bool(FORK_CRASHES))
 
 
 class Started:
@@ -120,6 +130,7 @@ class Started:
         self._process = server.context.Process(target=run_as_python,
                                                args=(args, environ, str(ROOT), self._out, self._err, fresh))
         self._process.start()
+        self.forked: bool | None = None  # known at its end (communicate()): whether it ran in the fork itself
 
     @property
     def returncode(self) -> int | None:
@@ -142,7 +153,10 @@ class Started:
         self.wait(timeout)
         with open(self._out) as out, open(self._err) as err:
             output = out.read(), err.read()
+        self.forked = os.path.exists(self._out + ".forked")  # run_as_python marks a run in the fork itself
         self._folder.cleanup()
+        if self.forked and self.returncode is not None and -self.returncode in FATAL_SIGNALS:
+            FORK_CRASHES.append(f"{' '.join(self.args)}: {signal.Signals(-self.returncode).name}\n{output[1][-6000:]}")
         return output
 
 

@@ -9,8 +9,8 @@ working folder, argv and output files and runs ``python -m MODULE`` / ``python S
 
 What a fork cannot give, the tests that need it launch a fresh interpreter (tests/helpers.py decides): a process
 whose environment differs from the server's in what is read at start-up or import (PYTHONPATH's code loaded at
-interpreter start, TRITON_INTERPRET, ...), the ranks of a multi-process run (tests/helpers.run_ranks says why),
-and the tests of `python -m` or torchrun itself (the docs, cluster, signal, Slurm and install tests)."""
+interpreter start, TRITON_INTERPRET, ...), every process after a forked one has crashed (tests/helpers.run_ranks
+says why), and the tests of `python -m` or torchrun itself (the docs, cluster, signal, Slurm and install tests)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ import sys
 # the environment the server was started in, less the tests' folder that tests/helpers.py put first on its path to
 # import this module (not on the path of the processes it serves)
 ENVIRON_BEFORE_IMPORTS = dict(os.environ, PYTHONPATH=os.environ["PYTHONPATH"].split(os.pathsep, 1)[1])
+
+# One thread in the server, so that a fork copies a process whose every thread it has (POSIX: the fork of a process
+# with more threads may call only async-signal-safe functions): pyarrow (datasets imports it) loads a jemalloc that
+# starts a background thread as the library loads, unless its configuration says otherwise.
+os.environ["JE_ARROW_MALLOC_CONF"] = "background_thread:false"
 
 # What the trainer, the evaluation, generation and the exports import before their work starts (the tokenizer's,
 # the dataset's and lm-eval's libraries are imported inside the functions that use them), less what writes to stderr

@@ -5,9 +5,13 @@ what the server imported is a fresh interpreter."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import textwrap
 
+import helpers
 from helpers import ROOT, env, run_ranks, start
 
 SCRIPT = textwrap.dedent("""
@@ -46,15 +50,67 @@ def test_a_fork_runs_as_python_runs_a_script(tmp_path):
     assert code == 0 and "atexit ran" in out
 
 
-def test_torchruns_variables_keep_a_fork_and_the_ranks_of_a_run_are_fresh(tmp_path):
-    """torchrun's TORCHELASTIC_* variables are read at run time: a process with them is still a fork. The ranks of
-    a multi-process run (run_ranks) are fresh interpreters (tests/helpers.run_ranks says why)."""
+def test_torchruns_variables_keep_a_fork_and_the_ranks_of_a_run_are_forks(tmp_path):
+    """torchrun's TORCHELASTIC_* variables are read at run time: a process with them is still a fork, and so are the
+    ranks of a multi-process run (run_ranks). The server they are forked from has one thread."""
     code, out, err = _run(tmp_path, "exit", "0", environ=dict(env(), TORCHELASTIC_USE_AGENT_STORE="True"))
     assert code == 0 and "forked True" in out, out + err
-    script = tmp_path / "script.py"
-    script.write_text(SCRIPT)
-    proc = run_ranks([str(script), "end"], 2, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.count("forked False") == 2, proc.stdout + proc.stderr
+    script = tmp_path / "ranks.py"
+    script.write_text("import os, sys\nthreads = len(os.listdir(f'/proc/{os.getppid()}/task'))\n"
+                      "print('forked', 'preloaded' in sys.modules, 'server threads', threads)\n")
+    proc = run_ranks([str(script)], 2, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.count("forked True server threads 1") == 2, proc.stdout + proc.stderr
+
+
+def test_a_forked_process_that_crashes_is_recorded_and_the_next_ones_are_fresh(tmp_path, monkeypatch):
+    """A fork killed by SIGSEGV: its command, the signal and faulthandler's Python stack are recorded, and every later
+    process is a fresh interpreter (tests/helpers.run_ranks says why); a fresh process's crash is not a fork's."""
+    monkeypatch.setattr(helpers, "FORK_CRASHES", [])  # this worker's own record and its later processes untouched
+    script = tmp_path / "crash.py"
+    script.write_text("import os, signal, sys\nprint('forked', 'preloaded' in sys.modules)\n"
+                      "def crash():\n    os.kill(os.getpid(), signal.SIGSEGV)\ncrash()\n")
+    proc = start([str(script)])
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGSEGV and "forked True" in out, (proc.returncode, out, err)
+    (crash,) = helpers.FORK_CRASHES
+    assert crash.startswith(f"{sys.executable} {script}: SIGSEGV\n") and 'in crash' in crash, crash
+    proc = start([str(script)])
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGSEGV and "forked False" in out and len(helpers.FORK_CRASHES) == 1, out
+
+
+def test_a_test_failed_by_a_forked_crash_runs_again_in_fresh_processes(tmp_path):
+    """tests/conftest.py's protocol: a test that fails where a forked rank died of SIGSEGV runs once more, its ranks
+    fresh; only the second run's result counts, and a warning quotes the crash (a pytest run of its own, under
+    pytest-xdist as the suite runs). A test that fails without a crash is not run again."""
+    (tmp_path / "test_inner.py").write_text(textwrap.dedent("""
+        from pathlib import Path
+        from helpers import run_ranks
+
+        def test_ranks(tmp_path):
+            with open(Path(__file__).with_name("runs"), "a") as runs:
+                runs.write("ranks ")
+            script = tmp_path / "rank.py"
+            script.write_text("import os, signal, sys\\n"
+                              "if 'preloaded' in sys.modules and os.environ['RANK'] == '1':\\n"
+                              "    os.kill(os.getpid(), signal.SIGSEGV)\\n")
+            proc = run_ranks([str(script)], 2, timeout=120)
+            assert proc.returncode == 0, proc.stderr
+
+        def test_plain_failure():
+            with open(Path(__file__).with_name("runs"), "a") as runs:
+                runs.write("plain ")
+            assert False
+    """))
+    environ = dict(os.environ, PYTHONPATH=str(ROOT / "tests"))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-n", "1",
+                           "-rA", "-q", str(tmp_path / "test_inner.py")], cwd=tmp_path, env=environ,
+                          capture_output=True, text=True, timeout=600)
+    out = proc.stdout
+    assert "1 failed, 1 passed" in out and "FAILED test_inner.py::test_plain_failure" in out, out[-4000:]
+    assert (tmp_path / "runs").read_text() == "ranks ranks plain ", out[-4000:]
+    assert "ForkCrashWarning: test_inner.py::test_ranks failed where a forked process died of a fatal signal" in out
+    assert "run again in fresh processes, it passed. The crash:" in out and "rank.py: SIGSEGV" in out, out[-4000:]
 
 
 def test_another_start_up_environment_gets_a_fresh_interpreter(tmp_path):
