@@ -70,6 +70,11 @@ def pytest_runtest_protocol(item, nextitem):
     reports = runtestprotocol(item, nextitem=nextitem, log=False)
     crashes = getattr(sys.modules.get("helpers"), "FORK_CRASHES", [])
     if len(crashes) > before and any(report.failed for report in reports):
+        # a fixture whose setup failed keeps its error for every later test (pytest caches it): set it up again
+        for fixturedefs in item._fixtureinfo.name2fixturedefs.values():
+            for fixturedef in fixturedefs:
+                if fixturedef.cached_result is not None and fixturedef.cached_result[2] is not None:
+                    fixturedef.cached_result = None
         reports = runtestprotocol(item, nextitem=nextitem, log=False)
         message = (f"{item.nodeid} failed where a forked process died of a fatal signal; run again in fresh "
                    f"processes, it {'failed' if any(r.failed for r in reports) else 'passed'}. The crash:\n"

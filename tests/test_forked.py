@@ -80,37 +80,67 @@ def test_a_forked_process_that_crashes_is_recorded_and_the_next_ones_are_fresh(t
 
 
 def test_a_test_failed_by_a_forked_crash_runs_again_in_fresh_processes(tmp_path):
-    """tests/conftest.py's protocol: a test that fails where a forked rank died of SIGSEGV runs once more, its ranks
-    fresh; only the second run's result counts, and a warning quotes the crash (a pytest run of its own, under
-    pytest-xdist as the suite runs). A test that fails without a crash is not run again."""
-    (tmp_path / "test_inner.py").write_text(textwrap.dedent("""
+    """tests/conftest.py's protocol, in pytest runs of their own (one under pytest-xdist, as the suite runs): a test
+    that fails where a forked rank died of SIGSEGV runs once more, its ranks fresh, and so does one whose session
+    fixture failed so (the fixture set up again); only the second run's result counts, and a warning quotes the
+    crash. A test that fails without a crash is not run again."""
+    rank = ("import os, signal, sys\\n"
+            "if 'preloaded' in sys.modules and os.environ.get('RANK', '1') == '1':\\n"
+            "    os.kill(os.getpid(), signal.SIGSEGV)\\n")
+    common = f"""
         from pathlib import Path
-        from helpers import run_ranks
+        import pytest
+        from helpers import run_ranks, start
 
-        def test_ranks(tmp_path):
+        def ran(name):
             with open(Path(__file__).with_name("runs"), "a") as runs:
-                runs.write("ranks ")
-            script = tmp_path / "rank.py"
-            script.write_text("import os, signal, sys\\n"
-                              "if 'preloaded' in sys.modules and os.environ['RANK'] == '1':\\n"
-                              "    os.kill(os.getpid(), signal.SIGSEGV)\\n")
-            proc = run_ranks([str(script)], 2, timeout=120)
-            assert proc.returncode == 0, proc.stderr
+                runs.write(name + " ")
+
+        def crashes_where_forked(folder, ranks):
+            script = folder / "rank.py"
+            script.write_text("{rank}")
+            if ranks:
+                proc = run_ranks([str(script)], 2, timeout=120)
+            else:
+                proc = start([str(script)])
+                proc.communicate(120)
+            assert proc.returncode == 0, proc.returncode
+    """
+    (tmp_path / "test_inner_ranks.py").write_text(textwrap.dedent(common + """
+        def test_ranks(tmp_path):
+            ran("ranks")
+            crashes_where_forked(tmp_path, ranks=True)
 
         def test_plain_failure():
-            with open(Path(__file__).with_name("runs"), "a") as runs:
-                runs.write("plain ")
+            ran("plain")
             assert False
     """))
+    (tmp_path / "test_inner_fixture.py").write_text(textwrap.dedent(common + """
+        @pytest.fixture(scope="session")
+        def made(tmp_path_factory):
+            ran("fixture")
+            crashes_where_forked(tmp_path_factory.mktemp("made"), ranks=False)
+            return "made"
+
+        def test_with_fixture(made):
+            assert made == "made"
+    """))
+    # each file in a pytest run of its own (the first crash makes every later process of a run fresh); the first
+    # under pytest-xdist as the suite runs, the second in one process
     environ = dict(os.environ, PYTHONPATH=str(ROOT / "tests"))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-n", "1",
-                           "-rA", "-q", str(tmp_path / "test_inner.py")], cwd=tmp_path, env=environ,
-                          capture_output=True, text=True, timeout=600)
-    out = proc.stdout
-    assert "1 failed, 1 passed" in out and "FAILED test_inner.py::test_plain_failure" in out, out[-4000:]
-    assert (tmp_path / "runs").read_text() == "ranks ranks plain ", out[-4000:]
-    assert "ForkCrashWarning: test_inner.py::test_ranks failed where a forked process died of a fatal signal" in out
-    assert "run again in fresh processes, it passed. The crash:" in out and "rank.py: SIGSEGV" in out, out[-4000:]
+    runs = [subprocess.Popen([sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-rA", "-q",
+                              *workers, name], cwd=tmp_path, env=environ, stdout=subprocess.PIPE, text=True)
+            for workers, name in ((["-n", "1"], "test_inner_ranks.py"), (["-n", "0"], "test_inner_fixture.py"))]
+    ranks, fixture = (run.communicate(timeout=600)[0] for run in runs)
+    assert "\n1 failed, 1 passed, 1 warning in " in ranks, ranks[-4000:]
+    assert "FAILED test_inner_ranks.py::test_plain_failure" in ranks, ranks[-4000:]
+    assert "\n1 passed, 1 warning in " in fixture, fixture[-4000:]
+    assert sorted((tmp_path / "runs").read_text().split()) == ["fixture", "fixture", "plain", "ranks", "ranks"]
+    for out, test in ((ranks, "test_inner_ranks.py::test_ranks"),
+                      (fixture, "test_inner_fixture.py::test_with_fixture")):
+        assert (f"ForkCrashWarning: {test} failed where a forked process died of a fatal signal; run again in fresh "
+                "processes, it passed. The crash:") in out, out[-4000:]
+        assert out.count("rank.py: SIGSEGV") == 1, out[-4000:]
 
 
 def test_another_start_up_environment_gets_a_fresh_interpreter(tmp_path):
