@@ -64,11 +64,13 @@ def pytest_runtest_protocol(item, nextitem):
     quotes the crash."""
     from _pytest.runner import runtestprotocol
 
-    crashes = getattr(sys.modules.get("helpers"), "FORK_CRASHES", [])
-    before = len(crashes)
+    def fork_crashes() -> list[str]:  # read at each use: the test may import helpers, or set its list
+        return getattr(sys.modules.get("helpers"), "FORK_CRASHES", [])
+
+    before = len(fork_crashes())
     item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
     reports = runtestprotocol(item, nextitem=nextitem, log=False)
-    crashes = getattr(sys.modules.get("helpers"), "FORK_CRASHES", [])
+    crashes = fork_crashes()
     if len(crashes) > before and any(report.failed for report in reports):
         # a fixture whose setup failed keeps its error for every later test (pytest caches it): set it up again
         for fixturedefs in item._fixtureinfo.name2fixturedefs.values():

@@ -42,7 +42,7 @@ def run_as_python(args: list[str], environ: dict[str, str], cwd: str, stdout: st
         os.close(target)
     if fresh or not _imports_alike(environ):
         os.execve(sys.executable, [sys.executable, *args], environ)
-    open(stdout + ".forked", "w").close()  # for the tests' side (helpers.Started.forked): this run is a fork
+    open(stdout + ".forked", "w").close()  # for the tests' side (helpers.Started.communicate): this run is a fork
     # PYTHONUNBUFFERED's streams: written through at once, as the ranks of a crashing run must be
     sys.stdout = io.TextIOWrapper(open(1, "wb", 0, closefd=False), encoding="utf-8", write_through=True,
                                   line_buffering=True)

@@ -130,7 +130,6 @@ class Started:
         self._process = server.context.Process(target=run_as_python,
                                                args=(args, environ, str(ROOT), self._out, self._err, fresh))
         self._process.start()
-        self.forked: bool | None = None  # known at its end (communicate()): whether it ran in the fork itself
 
     @property
     def returncode(self) -> int | None:
@@ -153,9 +152,9 @@ class Started:
         self.wait(timeout)
         with open(self._out) as out, open(self._err) as err:
             output = out.read(), err.read()
-        self.forked = os.path.exists(self._out + ".forked")  # run_as_python marks a run in the fork itself
+        forked = os.path.exists(self._out + ".forked")  # run_as_python marks a run in the fork itself
         self._folder.cleanup()
-        if self.forked and self.returncode is not None and -self.returncode in FATAL_SIGNALS:
+        if forked and -self.returncode in FATAL_SIGNALS:
             FORK_CRASHES.append(f"{' '.join(self.args)}: {signal.Signals(-self.returncode).name}\n{output[1][-6000:]}")
         return output
 
