@@ -154,8 +154,10 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
 
     def __init__(self, config: HybridTitanConfig):
         super().__init__(config)
-        # the GPU kernels where FLA imports (and the config allows them); the PyTorch forms everywhere else
-        fla = getattr(config, "use_fla_kernels", True) and fla_available()
+        # the GPU kernels where there is a GPU and FLA imports (and the config allows them); the PyTorch forms
+        # everywhere else. Kernels runs FLA's ops on CUDA (and ROCm) tensors only, so without a GPU FLA and Triton are
+        # not imported at all (on a CPU that import costs ~2.5 s of a load and prints FLA's CPU notice)
+        fla = getattr(config, "use_fla_kernels", True) and torch.cuda.is_available() and fla_available()
         self.model = HybridLM(config.to_model_args(), Kernels(KernelConfig(reference=not fla)))
         self.uses_fla_kernels = fla
         self.post_init()
