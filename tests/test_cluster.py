@@ -2,8 +2,8 @@
 shards within), checkpoints that change layout (2 x 2 HSDP <-> 4-way FSDP), a rank killed (torchrun restarts the
 group, which resumes), a rank that stops answering (the others time out and exit), and SIGTERM to torchrun itself.
 
-Run as a script under torchrun (``torchrun ... tests/test_cluster.py OUT --job.config_file ...``), this file is
-the trainer that hybridtitan.train.main builds, which also writes the model and optimizer states it resumed with.
+Run as a script in each rank (``python tests/test_cluster.py OUT --job.config_file ...``), this file is the trainer
+that hybridtitan.train.main builds, which also writes the model and optimizer states it resumed with.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from helpers import QUICK, RECIPE, ROOT, env, losses, run_train
+from helpers import QUICK, RECIPE, ROOT, env, losses, run_ranks, run_train
 from hybridtitan.checkpoint import complete_steps, load_model
 
 HERE = Path(__file__).resolve()
@@ -98,18 +98,20 @@ def wait_for(condition, what: str, launcher: Launcher, timeout: float = 300) -> 
 
 
 def train(dump: Path, *extra: str, nodes: int = 1, nproc: int = 2, resumed_state: Path | None = None) -> str:
-    """A run of ``nodes`` torchrun launchers of ``nproc`` ranks each: one --standalone, or several meeting at a c10d
-    rendezvous on localhost as the nodes of a cluster do (on one machine, in one dump folder: a shared file system).
-    With ``resumed_state`` it runs this file (the trainer, which writes the states it resumed with there). Returns
-    the launchers' output."""
+    """A run of ``nodes`` nodes of ``nproc`` ranks each: one node's ranks started as torchrun starts them
+    (helpers.run_ranks), or several torchrun launchers meeting at a c10d rendezvous on localhost as the nodes of a
+    cluster do (on one machine, in one dump folder: a shared file system). With ``resumed_state`` it runs this file
+    (the trainer, which writes the states it resumed with there). Returns the ranks' output."""
     target = [str(HERE), str(resumed_state)] if resumed_state else ["-m", "hybridtitan.train"]
     args = [*target, "--job.config_file", RECIPE, "--job.dump_folder", str(dump), *extra]
     if nodes == 1:
-        launchers = [["--standalone", f"--nproc-per-node={nproc}"]]
-    else:
-        rdzv = ["--nnodes", str(nodes), f"--nproc-per-node={nproc}", "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"localhost:{free_port()}", "--rdzv-id", dump.name]
-        launchers = [[*rdzv, "--node-rank", str(rank)] for rank in range(nodes)]  # (the rendezvous assigns them)
+        proc = run_ranks(args, nproc)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"exit code {proc.returncode}:\n{out[-4000:]}"
+        return out
+    rdzv = ["--nnodes", str(nodes), f"--nproc-per-node={nproc}", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"localhost:{free_port()}", "--rdzv-id", dump.name]
+    launchers = [[*rdzv, "--node-rank", str(rank)] for rank in range(nodes)]  # (the rendezvous assigns them)
     logs = [dump.parent / f"{dump.name}.node{i}.log" for i in range(len(launchers))]
     with contextlib.ExitStack() as stack:
         started = [stack.enter_context(Launcher(log, *launcher, *args)) for log, launcher in zip(logs, launchers)]
@@ -147,10 +149,10 @@ def copy_step(src: Path, step: int, dump: Path) -> None:
 
 
 def test_two_nodes_equal_one_node_and_checkpoints_change_layout(tmp_path):
-    """HSDP 2 x 2 over two launchers (replicas across the "nodes", shards within) gives the losses of one launcher of
-    4 ranks with the same layout, exactly. Its step-2 checkpoint resumes as 4-way FSDP on one node: the model and
-    optimizer load bit for bit, so the first step's loss equals the saving layout's; later steps differ only in the
-    order of the gradient reductions' sums."""
+    """HSDP 2 x 2 over two torchrun launchers (replicas across the "nodes", shards within) gives the losses of one
+    node of 4 ranks with the same layout, exactly. Its step-2 checkpoint resumes as 4-way FSDP on one node: the
+    model and optimizer load bit for bit, so the first step's loss equals the saving layout's; later steps differ
+    only in the order of the gradient reductions' sums."""
     common = [*QUICKER, "--training.global_batch_size", "8", "--training.steps", "5", "--checkpoint.interval", "2"]
     two, one = tmp_path / "two_nodes", tmp_path / "one_node"
     out = train(two, *common, *HSDP, nodes=2)

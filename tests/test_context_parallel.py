@@ -16,12 +16,14 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import time
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
-from torch.multiprocessing.spawn import ProcessException
 
+from helpers import run_ranks
 from hybridtitan.models.rope import apply_rope, plain_inv_freq, rope_cos_sin
 from hybridtitan.ops import context_parallel as cp
 
@@ -211,8 +213,8 @@ def worker(rank: int, degree: int, folder: str) -> None:
     from hybridtitan.ops import Kernels
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=degree,
-                            timeout=datetime.timedelta(seconds=60))  # a hang fails within a minute
+    # RANK, WORLD_SIZE and the store's address come from the environment run_ranks gives
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # a hang fails within a minute
     kernels, found = Kernels(), {}
     for layout in cp.LAYOUTS:
         for case in CASES:
@@ -245,20 +247,11 @@ def worker(rank: int, degree: int, folder: str) -> None:
 
 
 def launch(degree: int, folder) -> dict:
-    """Runs ``worker`` on ``degree`` processes; returns {key: {"failures": ["rank r: ..."], "worst", "alone"}}."""
-    import torch.multiprocessing as mp
-
-    context = mp.start_processes(worker, args=(degree, str(folder)), nprocs=degree, join=False,
-                                 start_method="spawn")
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    try:
-        while not context.join(timeout=5):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the {degree} ranks did not finish within {LAUNCH_TIMEOUT_S} s")
-    finally:
-        for process in context.processes:  # only the ones started here, if still running after an error
-            if process.is_alive():
-                process.terminate()
+    """Runs ``worker`` on ``degree`` ranks (helpers.run_ranks: this file as a script, forks of the preloaded
+    server); returns {key: {"failures": ["rank r: ..."], "worst", "alone"}}."""
+    proc = run_ranks([__file__, str(folder)], degree, timeout=LAUNCH_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {degree} ranks failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     merged: dict = {}
     for rank in range(degree):
         for key, found in json.loads((folder / f"rank{rank}.json").read_text()).items():
@@ -277,7 +270,7 @@ def results(tmp_path_factory):
         if degree not in done:
             try:
                 done[degree] = launch(degree, tmp_path_factory.mktemp(f"cp{degree}"))
-            except (ProcessException, TimeoutError, OSError, ValueError) as e:
+            except (RuntimeError, subprocess.TimeoutExpired, OSError, ValueError) as e:
                 done[degree] = e  # every case of the degree fails with it, without launching again
         if isinstance(done[degree], Exception):
             raise done[degree]
@@ -395,3 +388,7 @@ def test_indivisible_sequence_is_one_line_error():
         cp.shard_for(torch.tensor([0, 30, 60]), 64, rank=0, degree=2)
     with pytest.raises(ValueError, match="^rank 2 is not one of the 2 ranks of a context-parallel group$"):
         cp.shard_for(None, 64, rank=2, degree=2)
+
+
+if __name__ == "__main__":  # a rank of launch(): python tests/test_context_parallel.py FOLDER
+    worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), sys.argv[1])

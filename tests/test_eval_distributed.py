@@ -1,29 +1,20 @@
-"""hybridtitan.eval over 2 CPU processes (torchrun, gloo): the CLI's data parallelism and evaluate_live, for a
-plain model and an FSDP2-wrapped one, against the one-process CLI on the same debug_hybrid checkpoint.
+"""hybridtitan.eval over 2 CPU processes (gloo, started as torchrun starts its ranks: tests/helpers.run_ranks): the
+CLI's data parallelism and evaluate_live, for a plain model and an FSDP2-wrapped one, against the one-process CLI
+on the same debug_hybrid checkpoint.
 
-The same file is the ranks' script (``python -m torch.distributed.run ... tests/test_eval_distributed.py``, see
-``worker``): pytest collects the tests, torchrun runs the worker.
+The same file is the ranks' script (``python tests/test_eval_distributed.py CHECKPOINT OUT`` in each rank, see
+``worker``): pytest collects the tests, the ranks run the worker.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 TASKS = Path(__file__).resolve().parent / "assets" / "tasks"
-ROOT = Path(__file__).resolve().parents[1]
 LIVE_BATCH = 7  # 160 requests: 23 batches, 12 on rank 0 and 11 on rank 1 (which then runs one dummy forward)
-
-
-def torchrun(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 # ------------------------------------------------------------------------------------------------ the ranks
@@ -121,6 +112,8 @@ if __name__ == "__main__":
 import pytest  # noqa: E402
 from test_export_hf import train_debug_checkpoints  # noqa: E402 -- the session's trained dumps, shared
 
+from helpers import run_ranks  # noqa: E402
+
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory) -> dict[str, Path]:
@@ -147,12 +140,12 @@ def _responses(results: dict) -> list:
 
 
 def test_cli_data_parallel_same_numbers(trained, one_process, tmp_path):
-    """torchrun --nproc_per_node 2 -m hybridtitan.eval: one table, one JSON, and the numbers of one process --
+    """`python -m hybridtitan.eval` in 2 ranks: one table, one JSON, and the numbers of one process --
     the accuracies and every sample's loglikelihoods, exactly (each rank scores its share of the same batches)."""
     output = tmp_path / "results"
-    proc = torchrun("-m", "hybridtitan.eval", "--checkpoint", str(trained["debug_hybrid"]), "--tasks", "stdlib_mc",
-                    "--include_path", str(TASKS), "--device", "cpu", "--bootstrap_iters", "0", "--output_path",
-                    str(output) + os.sep, "--log_samples")
+    proc = run_ranks(["-m", "hybridtitan.eval", "--checkpoint", str(trained["debug_hybrid"]), "--tasks", "stdlib_mc",
+                      "--include_path", str(TASKS), "--device", "cpu", "--bootstrap_iters", "0", "--output_path",
+                      str(output) + os.sep, "--log_samples"], 2, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("|stdlib_mc|") == 1 and proc.stdout.count("results written to") == 1, proc.stdout
     assert "2 processes (data parallel)" in proc.stdout
@@ -169,7 +162,7 @@ def test_evaluate_live_two_ranks_plain_and_fsdp(trained, one_process, tmp_path):
     number of forward calls on both ranks though their shares differ (batches, generation lengths); generation
     and rolling loglikelihoods through FSDP equal to the plain model's; the RNG and training mode untouched;
     different requests on the ranks refused on both, not a hang."""
-    proc = torchrun(__file__, str(trained["debug_hybrid"]), str(tmp_path))
+    proc = run_ranks([__file__, str(trained["debug_hybrid"]), str(tmp_path)], 2, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     cli = one_process[LIVE_BATCH]["results"]["stdlib_mc"]

@@ -4,7 +4,6 @@ updates, a rank's error ending the run."""
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import pytest
@@ -92,10 +91,10 @@ def test_hsdp_replicas_hold_equal_weights(tmp_path):
     assert all(torch.isfinite(v).all() for v in state(dump, 3).values())
 
 
-# Loaded at the start of every Python process of a run (PYTHONPATH): the training loss becomes NaN at the
-# listed forward calls of each rank, so those steps' gradients are not finite.
+# The trainer with its training loss NaN at the listed forward calls of each rank (so those steps' gradients are
+# not finite): each rank runs this script, which patches the model class, then runs `python -m hybridtitan.train`.
 _NAN_INJECTOR = """
-import os
+import os, runpy
 _steps = {int(s) for s in os.environ["HT_TEST_NAN_CALLS"].split(",")}
 from hybridtitan.models import model as _m
 _forward, _calls = _m.HybridLM.forward, [0]
@@ -107,23 +106,23 @@ def _forward_with_nan(self, *args, **kwargs):
             out = (out[0] * float("nan"), out[1]) if isinstance(out, tuple) else out * float("nan")
     return out
 _m.HybridLM.forward = _forward_with_nan
+runpy.run_module("hybridtitan.train", run_name="__main__", alter_sys=True)
 """
 
 
 @pytest.mark.parametrize("implementation", ["fused", "foreach"])
-def test_nonfinite_gradients_skip_the_update(tmp_path, monkeypatch, implementation):
+def test_nonfinite_gradients_skip_the_update(tmp_path, implementation):
     """Steps 3 and 4 get NaN gradients: neither changes the weights (step 4's checkpoint equals step 2's), each
     is logged and counted, and training carries on with finite losses. "fused" skips on the device (the fused
     AdamW's found_inf; the host learns of it a step later), "foreach" on the host."""
-    inject = tmp_path / "inject"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(_NAN_INJECTOR)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(inject), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("HT_TEST_NAN_CALLS", "3,4")
+    script = tmp_path / "train_with_nan.py"
+    script.write_text(_NAN_INJECTOR)
     dump = tmp_path / "run"
-    proc = run_train(dump, *QUICK, "--training.steps", "6", "--checkpoint.enable", "true",
-                     "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
-                     "--optimizer.implementation", implementation)
+    proc = run_ranks([str(script), "--job.config_file", RECIPE, "--job.dump_folder", str(dump), *QUICK,
+                      "--training.steps", "6", "--checkpoint.enable", "true", "--checkpoint.interval", "2",
+                      "--checkpoint.keep_latest_k", "0", "--optimizer.implementation", implementation], 2,
+                     environ={"HT_TEST_NAN_CALLS": "3,4"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step 3: non-finite gradient norm nan, update skipped" in proc.stdout
     assert "step 4: non-finite gradient norm nan, update skipped" in proc.stdout
     logged = records(dump)
