@@ -65,6 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "its finished shards are kept, the rest written again")
     p.add_argument("--streaming", action="store_true",
                    help="stream the dataset (no full download; tokenizes in this process, with threads)")
+    p.add_argument("--cache-dir", "--cache_dir", dest="cache_dir", default=None,
+                   help="datasets' cache of the download and of the tokens (4 bytes a token) until the shards are "
+                        "written (default: datasets' own, under HF_HOME)")
     return p.parse_args(argv)
 
 
@@ -86,7 +89,7 @@ def tokenized_batches(args, tok):
     """(number of documents or None, iterator over lists of token-id lists)."""
     cfg = Data(tokenizer=args.tokenizer, source="hf", path=args.dataset, name=args.name, split=args.split,
                text_field=args.text_field, streaming=args.streaming)
-    ds = load_hf_dataset(cfg)
+    ds = load_hf_dataset(cfg, cache_dir=args.cache_dir)
     field = args.text_field
     if args.streaming:
         if args.limit_docs:

@@ -39,6 +39,19 @@ def make_texts(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS, size=int(rng.integers(3, 40)))) for _ in range(n)]
 
 
+def prepare_data(cache: Path, *args: str, wait: bool = True):
+    """``python scripts/prepare_data.py ARGS`` forked from the tests' server (helpers.start: its libraries imported
+    once), its datasets cache in ``cache`` (--cache-dir; a test's own, as a fresh HF_HOME would give it): the
+    CompletedProcess, or the running process without ``wait``."""
+    from helpers import start
+
+    proc = start([str(REPO / "scripts" / "prepare_data.py"), *args, "--cache-dir", str(cache)])
+    if not wait:
+        return proc
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 @pytest.fixture(scope="session")
 def tok_dir(tmp_path_factory) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -364,10 +377,8 @@ def test_megatron_documents_of_several_sequences(tmp_path):
 
 def test_prepare_data_end_to_end(tmp_path, tok_dir, tok, corpus):
     out = tmp_path / "out" / "train"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--dataset", corpus["train"],
-                             "--tokenizer", tok_dir, "--output", str(out), "--workers", "2",
-                             "--shard-size-tokens", "500"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    result = prepare_data(tmp_path / "hf", "--dataset", corpus["train"], "--tokenizer", tok_dir, "--output", str(out),
+                          "--workers", "2", "--shard-size-tokens", "500")
     assert result.returncode == 0, result.stderr[-2000:]
     assert f'path = "{out}_*"' in result.stdout
     shards = sorted(p.name for p in out.parent.glob("*.idx"))
@@ -378,9 +389,8 @@ def test_prepare_data_end_to_end(tmp_path, tok_dir, tok, corpus):
     assert len(got) == len(expected) and all(g.tolist() == e for g, e in zip(got, expected))
     # --validation 0.25: every fourth document held out, beside the training shards (which the glob leaves out)
     held = tmp_path / "held" / "train"
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--dataset", corpus["train"],
-                             "--tokenizer", tok_dir, "--output", str(held), "--workers", "1", "--validation", "0.25"],
-                            capture_output=True, text=True, env=env, cwd=tmp_path)
+    result = prepare_data(tmp_path / "hf", "--dataset", corpus["train"], "--tokenizer", tok_dir, "--output", str(held),
+                          "--workers", "1", "--validation", "0.25")
     assert result.returncode == 0, result.stderr[-2000:]
     assert f'path = "{held}-validation"' in result.stdout
     from hybridtitan.data.config import megatron_prefixes
@@ -404,13 +414,9 @@ def test_prepare_data_manifest_and_resume(tmp_path, tok_dir, tok, corpus):
     from hybridtitan.data.config import megatron_prefixes
     from hybridtitan.data.tokenizer import eos_id, vocabulary_fingerprint
 
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-
     def prepare(out: Path, *extra: str):
-        return subprocess.run([sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--dataset",
-                               corpus["train"], "--tokenizer", tok_dir, "--output", str(out), "--workers", "1",
-                               "--shard-size-tokens", "500", "--validation", "0.25", *extra],
-                              capture_output=True, text=True, env=env, cwd=tmp_path)
+        return prepare_data(tmp_path / "hf", "--dataset", corpus["train"], "--tokenizer", tok_dir, "--output",
+                            str(out), "--workers", "1", "--shard-size-tokens", "500", "--validation", "0.25", *extra)
 
     whole = tmp_path / "whole" / "train"
     assert prepare(whole).returncode == 0
@@ -462,11 +468,10 @@ def test_the_trainer_refuses_data_it_cannot_trust(tmp_path, tok_dir, corpus, cap
 
     from helpers import RECIPE, main_error
 
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     out = tmp_path / "data" / "corpus"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--dataset", corpus["train"],
-                    "--tokenizer", tok_dir, "--output", str(out), "--workers", "1", "--validation", "0.25"],
-                   check=True, capture_output=True, env=env, cwd=tmp_path)
+    made = prepare_data(tmp_path / "hf", "--dataset", corpus["train"], "--tokenizer", tok_dir, "--output", str(out),
+                        "--workers", "1", "--validation", "0.25")
+    assert made.returncode == 0, made.stderr[-2000:]
     dump = tmp_path / "run"
     base = ["--job.config_file", RECIPE, "--job.dump_folder", str(dump), "--data.source", "megatron",
             "--validation.data.source", "megatron", "--validation.data.path", f"{out}-validation"]
@@ -503,8 +508,7 @@ def test_the_trainer_refuses_data_it_cannot_trust(tmp_path, tok_dir, corpus, cap
 def test_prepare_data_bad_input(tmp_path, tok_dir, corpus):
     """Exit code 2 and one line naming this script's options (not the trainer's keys); the underscore spellings
     of the trainer and the other tools are accepted too. The three processes run side by side."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    script, out = str(REPO / "scripts" / "prepare_data.py"), str(tmp_path / "out" / "train")
+    out = str(tmp_path / "out" / "train")
     cases = {
         "--dataset: no such file or folder": ["--dataset", str(tmp_path / "nope.jsonl"), "--tokenizer", tok_dir],
         "--text-field: no column 'body'": ["--dataset", corpus["train"], "--tokenizer", tok_dir,
@@ -512,8 +516,7 @@ def test_prepare_data_bad_input(tmp_path, tok_dir, corpus):
         "--shard-size-tokens must be positive": ["--dataset", corpus["train"], "--tokenizer", tok_dir,
                                                  "--shard_size_tokens", "0"],
     }
-    procs = {expected: subprocess.Popen([sys.executable, script, *argv, "--output", out], env=env, cwd=tmp_path,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = {expected: prepare_data(tmp_path / "hf", *argv, "--output", out, wait=False)
              for expected, argv in cases.items()}
     for expected, proc in procs.items():
         _, stderr = proc.communicate(timeout=300)

@@ -254,15 +254,17 @@ class StreamingDocuments:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def load_hf_dataset(cfg: Data):
+def load_hf_dataset(cfg: Data, cache_dir: str | None = None):
     """datasets.load_dataset for `data.path`: a local folder, local files (builder from the extension, the files
-    are the split `data.split`), or a hub name."""
+    are the split `data.split`), or a hub name. ``cache_dir``: datasets' cache of the download and of what is made
+    from it (default: datasets' own, under HF_HOME)."""
     import datasets
 
     path = resolve_path(cfg.path)
     try:
         if os.path.isdir(path):
-            ds = datasets.load_dataset(path, cfg.name or None, split=cfg.split, streaming=cfg.streaming)
+            ds = datasets.load_dataset(path, cfg.name or None, split=cfg.split, streaming=cfg.streaming,
+                                       cache_dir=cache_dir)
         elif looks_local(cfg.path):
             files = local_data_files(path)
             if not files:
@@ -271,9 +273,11 @@ def load_hf_dataset(cfg: Data):
                 raise ValueError(f"data.path: {cfg.path} is empty: no documents")
             builder = files_builder(files, cfg.path)
             # The files are the split: name it as asked, or datasets would infer split names from file names.
-            ds = datasets.load_dataset(builder, data_files={cfg.split: files}, split=cfg.split, streaming=cfg.streaming)
+            ds = datasets.load_dataset(builder, data_files={cfg.split: files}, split=cfg.split,
+                                       streaming=cfg.streaming, cache_dir=cache_dir)
         else:
-            ds = datasets.load_dataset(path, cfg.name or None, split=cfg.split, streaming=cfg.streaming)
+            ds = datasets.load_dataset(path, cfg.name or None, split=cfg.split, streaming=cfg.streaming,
+                                       cache_dir=cache_dir)
     except ValueError as e:
         if str(e).startswith("data."):
             raise
