@@ -5,9 +5,9 @@ the CPU (the PyTorch forms), and left-padded batches against each prompt alone.
     python gpu_harness/export_check.py --device cpu                        # dry run: the same code, CPU on both sides
 
 For each of debug_gdn, debug_kda, debug_mamba2 and debug_hybrid (MLA + GDN): a model-only checkpoint of random
-weights drawn at init std 0.3 (peaked logits, so that greedy decoding has no near-ties), exported with
-``python -m hybridtitan.export_hf --format hybridtitan`` (bfloat16 weights; the package's own model code, FLA's
-layout being FLA's classes), then loaded with ``AutoModelForCausalLM.from_pretrained(...,
+weights drawn at init std 0.3 (peaked logits, so that greedy decoding has no near-ties), exported by the command
+line of ``python -m hybridtitan.export_hf --format hybridtitan`` (bfloat16 weights; the package's own model code,
+FLA's layout being FLA's classes), then loaded with ``AutoModelForCausalLM.from_pretrained(...,
 trust_remote_code=True)`` twice: float32 on the CPU and float32 on DEVICE. Checked:
 
 logits  a batch of 2 x 300 tokens: relative error ||gpu - cpu|| / ||cpu|| below 1e-2 (FLA's float32 kernels use
@@ -23,9 +23,10 @@ exit code 1 if a case failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +52,7 @@ def make_export(flavor: str, folder: str) -> str:
     import torch
 
     from hybridtitan.checkpoint import save_model_checkpoint
+    from hybridtitan.export_hf import main as export_main
     from hybridtitan.models import build_model, get_flavor
 
     torch.manual_seed(0)
@@ -62,10 +64,10 @@ def make_export(flavor: str, folder: str) -> str:
     step = os.path.join(folder, "checkpoint", "step-0")
     save_model_checkpoint(model, step, torch.float32)
     export = os.path.join(folder, "export")
-    subprocess.run([sys.executable, "-m", "hybridtitan.export_hf", "--checkpoint", step, "--output", export,
-                    "--tokenizer", os.path.join(REPO, "hybridtitan", "assets", "tokenizer"), "--format",
-                    "hybridtitan"],
-                   check=True, cwd=REPO, capture_output=True, text=True)
+    # the exporter's command line in this process (a fresh `python -m` spends ~6 s of CPU on imports done here)
+    with contextlib.redirect_stdout(io.StringIO()):
+        export_main(["--checkpoint", step, "--output", export, "--tokenizer",
+                     os.path.join(REPO, "hybridtitan", "assets", "tokenizer"), "--format", "hybridtitan"])
     return export
 
 

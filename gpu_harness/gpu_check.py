@@ -37,15 +37,17 @@ case failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import functools
+import importlib
 import importlib.util
+import io
 import math
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -104,8 +106,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="pure GDN/KDA configs for the FLA check (default: debug_gdn,debug_kda and, unless --tiny, "
                         "gdn_300M:4,kda_300M:4 = the 300M shapes with 4 sublayers)")
     p.add_argument("--exporter", default="hybridtitan.export_hf",
-                   help="module run as `python -m MODULE --checkpoint DCP --output DIR` for the FLA check, if it "
-                        "exists ('none': use this script's name mapping only)")
+                   help="the exporter for the FLA check, if it exists: a module whose main(argv) takes "
+                        "`--checkpoint DCP --output DIR` as `python -m MODULE` does, run in this process "
+                        "('none': use this script's name mapping only)")
     p.add_argument("--exporter-args", default=f"--tokenizer {os.path.join(REPO, 'hybridtitan', 'assets', 'tokenizer')}",
                    help="extra arguments for the exporter (default: the tokenizer the repo ships, since a "
                         "model-only checkpoint names none)")
@@ -590,7 +593,9 @@ def exporter_available(module: str) -> bool:
 
 
 def export_with_hybridtitan(model, folder: str, module: str, extra: str = ""):
-    """save_model_checkpoint -> python -m hybridtitan.export_hf -> AutoModelForCausalLM (its dtype, CPU)."""
+    """save_model_checkpoint -> the exporter's command line (MODULE's main(argv), as `python -m MODULE` calls it,
+    here in this process, which has imported what a fresh interpreter spends ~6 s of CPU importing) ->
+    AutoModelForCausalLM (its dtype, CPU)."""
     import fla  # noqa: F401 - registers FLA's model types with transformers
     from transformers import AutoModelForCausalLM
 
@@ -598,12 +603,15 @@ def export_with_hybridtitan(model, folder: str, module: str, extra: str = ""):
 
     step_dir, out_dir = os.path.join(folder, "step-0"), os.path.join(folder, "hf")
     save_model_checkpoint(model, step_dir)
-    cmd = [sys.executable, "-m", module, "--checkpoint", step_dir, "--output", out_dir] + shlex.split(extra)
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()
-        raise RuntimeError(f"{module} exited {proc.returncode}: {tail[-1] if tail else ''}")
+    argv = ["--checkpoint", step_dir, "--output", out_dir, *shlex.split(extra)]
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+            importlib.import_module(module).main(argv)
+    except SystemExit as e:  # a command line's error: its one line said, then exit 2
+        if e.code not in (0, None):
+            tail = said.getvalue().strip().splitlines()
+            raise RuntimeError(f"{module} exited {e.code}: {tail[-1] if tail else ''}") from None
     try:
         return AutoModelForCausalLM.from_pretrained(out_dir, dtype="auto")  # as written (bf16 by default)
     except TypeError:  # older transformers
