@@ -13,9 +13,9 @@ Two levels:
   debug_mamba2: logits, greedy generate() tokens and a left-padded batch against HybridLM here. The processes
   exchange files.
 
-The environment takes about a minute to make on a 2-core machine (pip, from the local wheel and package
-mirrors); HYBRIDTITAN_STANDALONE_PYTHON=/path/to/python reuses one made before (it must lack hybridtitan and FLA:
-the test checks).
+The environment takes ~17 s to make on a 2-core machine (tests/venvs.py, then pip resolving transformers'
+dependencies against the package mirrors; 2026-12-04); HYBRIDTITAN_STANDALONE_PYTHON=/path/to/python reuses one
+made before (it must lack hybridtitan and FLA: the test checks).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_export_hf import FLAVORS, train_debug_checkpoints  # the session's trained dumps, shared
+from venvs import make_venv
 
 REPO = Path(__file__).resolve().parents[1]
 # what the entry points may import at their top level besides torch and transformers (transformers imports each
@@ -407,14 +408,13 @@ with open(f"{out}/results.json", "w") as f:
 
 
 def _make_venv(path: Path) -> Path:
-    """python -m venv, then torch (this machine's CPU wheel) and transformers + safetensors at the versions of
-    constraints-cpu.txt. Nothing of the repository's."""
-    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, timeout=300)
-    python = path / "bin" / "python"
-    for args in (["torch==2.13.0"], ["-c", str(REPO / "constraints-cpu.txt"), "transformers", "safetensors"]):
-        proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-compile", *args], capture_output=True,
-                              text=True, timeout=900, cwd=path)
-        assert proc.returncode == 0, f"pip install {' '.join(args)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
+    """A venv with torch (this environment's CPU build: tests/venvs.py; pip installs its dependencies), transformers
+    and safetensors at the versions of constraints-cpu.txt. Nothing of the repository's."""
+    python = make_venv(path)
+    args = ["-c", str(REPO / "constraints-cpu.txt"), "torch==2.13.0", "transformers", "safetensors"]
+    proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-compile", *args], capture_output=True,
+                          text=True, timeout=900, cwd=path)
+    assert proc.returncode == 0, f"pip install {' '.join(args)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
     return python
 
 
