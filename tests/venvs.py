@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import torch
@@ -26,11 +25,12 @@ def make_venv(path: Path) -> Path:
     assert torch.version.cuda is None and torch.version.hip is None, "the suite runs in the CPU build's environment"
     subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, timeout=300)
     python = path / "bin" / "python"
-    source = Path(sysconfig.get_paths()["purelib"])
+    torch_dist = importlib.metadata.distribution("torch")
+    source = Path(torch_dist.locate_file(""))  # this environment's site-packages
     target = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                  capture_output=True, text=True, check=True).stdout.strip())
     # torch, functorch, torchgen and torch's .dist-info (not its scripts in bin/, which RECORD names as ../../..)
-    tops = {file.parts[0] for file in importlib.metadata.distribution("torch").files if file.parts[0] != ".."}
+    tops = {file.parts[0] for file in torch_dist.files if file.parts[0] != ".."}
     for top in sorted(tops):
         shutil.copytree(source / top, target / top, copy_function=_link_or_copy)
     return python
