@@ -39,17 +39,16 @@ def make_texts(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS, size=int(rng.integers(3, 40)))) for _ in range(n)]
 
 
-def prepare_data(cache: Path, *args: str, wait: bool = True):
-    """``python scripts/prepare_data.py ARGS`` forked from the tests' server (helpers.start: its libraries imported
-    once), its datasets cache in ``cache`` (--cache-dir; a test's own, as a fresh HF_HOME would give it): the
-    CompletedProcess, or the running process without ``wait``."""
-    from helpers import start
+def prepare_data_argv(cache: Path, *args: str) -> list[str]:
+    """``scripts/prepare_data.py ARGS`` with its datasets cache in ``cache`` (--cache-dir: a test's own, as a fresh
+    HF_HOME would give it, so that its runs can be forks of the tests' server: helpers.start)."""
+    return [str(REPO / "scripts" / "prepare_data.py"), *args, "--cache-dir", str(cache)]
 
-    proc = start([str(REPO / "scripts" / "prepare_data.py"), *args, "--cache-dir", str(cache)])
-    if not wait:
-        return proc
-    out, err = proc.communicate(timeout=300)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+def prepare_data(cache: Path, *args: str) -> subprocess.CompletedProcess:
+    from helpers import env, run_processes
+
+    return run_processes(prepare_data_argv(cache, *args), [env()], timeout=300)
 
 
 @pytest.fixture(scope="session")
@@ -516,7 +515,9 @@ def test_prepare_data_bad_input(tmp_path, tok_dir, corpus):
         "--shard-size-tokens must be positive": ["--dataset", corpus["train"], "--tokenizer", tok_dir,
                                                  "--shard_size_tokens", "0"],
     }
-    procs = {expected: prepare_data(tmp_path / "hf", *argv, "--output", out, wait=False)
+    from helpers import start
+
+    procs = {expected: start(prepare_data_argv(tmp_path / "hf", *argv, "--output", out))
              for expected, argv in cases.items()}
     for expected, proc in procs.items():
         _, stderr = proc.communicate(timeout=300)
