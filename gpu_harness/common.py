@@ -1,14 +1,18 @@
-"""Helpers shared by the GPU harness's scripts (gpu_check, bench_throughput, trainer_speed).
+"""Helpers shared by the GPU harness's scripts (gpu_check, export_check, bench_throughput, trainer_speed).
 
 Error measures, a timer, the bf16 matmul rate, tables, the process group of one that FSDP2 needs, the CUDA
-allocator setting of the trainer, models built under a chosen kernel configuration from given weights, and the
-FLA Hugging Face twin of a pure GDN / KDA model (its configuration and the state-dict name mapping).
+allocator setting of the trainer, models built under a chosen kernel configuration from given weights, the
+exporter's command line run in this process, and the FLA Hugging Face twin of a pure GDN / KDA model (its
+configuration and the state-dict name mapping).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
+import importlib
+import io
 import json
 import os
 import platform
@@ -197,6 +201,21 @@ def write_json(path: str, obj) -> None:
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=2, default=str)
     os.replace(tmp, path)
+
+
+def run_exporter(module: str, argv: list[str]) -> None:
+    """The exporter's command line, MODULE's main(argv) as `python -m MODULE` calls it, in this process (which has
+    imported what a fresh interpreter spends ~6 s of CPU importing), its output kept back. A command-line error
+    (SystemExit other than 0) becomes a RuntimeError naming the line it said, which a check's `except Exception`
+    records as that case's failure."""
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+            importlib.import_module(module).main(argv)
+    except SystemExit as e:  # a command line's error: its one line said, then exit 2
+        if e.code not in (0, None):
+            tail = said.getvalue().strip().splitlines()
+            raise RuntimeError(f"{module} exited {e.code}: {tail[-1] if tail else ''}") from None
 
 
 # ------------------------------------------------------------------------------------------------ models

@@ -23,16 +23,17 @@ exit code 1 if a case failed.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)  # common.py, beside this script
 
 FLAVORS = ["debug_gdn", "debug_kda", "debug_mamba2", "debug_hybrid"]
 
@@ -51,8 +52,8 @@ def versions() -> dict:
 def make_export(flavor: str, folder: str) -> str:
     import torch
 
+    from common import run_exporter
     from hybridtitan.checkpoint import save_model_checkpoint
-    from hybridtitan.export_hf import main as export_main
     from hybridtitan.models import build_model, get_flavor
 
     torch.manual_seed(0)
@@ -64,10 +65,10 @@ def make_export(flavor: str, folder: str) -> str:
     step = os.path.join(folder, "checkpoint", "step-0")
     save_model_checkpoint(model, step, torch.float32)
     export = os.path.join(folder, "export")
-    # the exporter's command line in this process (a fresh `python -m` spends ~6 s of CPU on imports done here)
-    with contextlib.redirect_stdout(io.StringIO()):
-        export_main(["--checkpoint", step, "--output", export, "--tokenizer",
-                     os.path.join(REPO, "hybridtitan", "assets", "tokenizer"), "--format", "hybridtitan"])
+    # the exporter's command line in this process; its error is this flavor's failure, not the run's
+    run_exporter("hybridtitan.export_hf", ["--checkpoint", step, "--output", export, "--tokenizer",
+                                           os.path.join(REPO, "hybridtitan", "assets", "tokenizer"), "--format",
+                                           "hybridtitan"])
     return export
 
 

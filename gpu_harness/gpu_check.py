@@ -37,13 +37,10 @@ case failed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
 import functools
-import importlib
 import importlib.util
-import io
 import math
 import os
 import shlex
@@ -71,6 +68,7 @@ from common import (  # noqa: E402
     one_line,
     rel_diff,
     rel_err,
+    run_exporter,
     to_fla_state_dict,
     versions,
     write_json,
@@ -593,8 +591,7 @@ def exporter_available(module: str) -> bool:
 
 
 def export_with_hybridtitan(model, folder: str, module: str, extra: str = ""):
-    """save_model_checkpoint -> the exporter's command line (MODULE's main(argv), as `python -m MODULE` calls it,
-    here in this process, which has imported what a fresh interpreter spends ~6 s of CPU importing) ->
+    """save_model_checkpoint -> the exporter's command line in this process (common.run_exporter) ->
     AutoModelForCausalLM (its dtype, CPU)."""
     import fla  # noqa: F401 - registers FLA's model types with transformers
     from transformers import AutoModelForCausalLM
@@ -603,15 +600,7 @@ def export_with_hybridtitan(model, folder: str, module: str, extra: str = ""):
 
     step_dir, out_dir = os.path.join(folder, "step-0"), os.path.join(folder, "hf")
     save_model_checkpoint(model, step_dir)
-    argv = ["--checkpoint", step_dir, "--output", out_dir, *shlex.split(extra)]
-    said = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
-            importlib.import_module(module).main(argv)
-    except SystemExit as e:  # a command line's error: its one line said, then exit 2
-        if e.code not in (0, None):
-            tail = said.getvalue().strip().splitlines()
-            raise RuntimeError(f"{module} exited {e.code}: {tail[-1] if tail else ''}") from None
+    run_exporter(module, ["--checkpoint", step_dir, "--output", out_dir, *shlex.split(extra)])
     try:
         return AutoModelForCausalLM.from_pretrained(out_dir, dtype="auto")  # as written (bf16 by default)
     except TypeError:  # older transformers
