@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_export_hf import FLAVORS, train_debug_checkpoints  # the session's trained dumps, shared
-from venvs import make_venv
+from venvs import make_venv, pip_install
 
 REPO = Path(__file__).resolve().parents[1]
 # what the entry points may import at their top level besides torch and transformers (transformers imports each
@@ -411,10 +411,7 @@ def _make_venv(path: Path) -> Path:
     """A venv with torch (this environment's CPU build: tests/venvs.py; pip installs its dependencies), transformers
     and safetensors at the versions of constraints-cpu.txt. Nothing of the repository's."""
     python = make_venv(path)
-    args = ["-c", str(REPO / "constraints-cpu.txt"), "torch==2.13.0", "transformers", "safetensors"]
-    proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-compile", *args], capture_output=True,
-                          text=True, timeout=900, cwd=path)
-    assert proc.returncode == 0, f"pip install {' '.join(args)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
+    pip_install(python, "-c", "constraints-cpu.txt", "torch==2.13.0", "transformers", "safetensors", timeout=900)
     return python
 
 

@@ -10,17 +10,9 @@ from pathlib import Path
 
 import pytest
 from test_export_hf import train_debug_checkpoints
-from venvs import make_venv
+from venvs import make_venv, pip_install
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _pip(python: Path, *args: str) -> None:
-    # --no-compile: no bytecode for every module of transformers, lm-eval, ... at install time (only what runs gets
-    # compiled, on import)
-    proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile",
-                           *args], capture_output=True, text=True, timeout=1800, cwd=REPO)
-    assert proc.returncode == 0, f"pip install {' '.join(args)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +20,7 @@ def plain(tmp_path_factory) -> Path:
     """A fresh venv: torch 2.13.0 (the CPU build, this environment's: tests/venvs.py), then `pip install .` at the
     tested versions, no extra."""
     python = make_venv(tmp_path_factory.mktemp("install") / "venv")
-    _pip(python, "-c", "constraints-cpu.txt", ".")
+    pip_install(python, "-c", "constraints-cpu.txt", ".")
     return python
 
 

@@ -1,5 +1,6 @@
 """Fresh virtual environments for the tests of installs (test_install, test_export_standalone): made with
-``python -m venv`` and holding this environment's torch, to which each test adds what it installs with pip.
+``python -m venv`` and holding this environment's torch, to which each test adds what it installs with pip
+(``pip_install``).
 
 torch is the CPU build scripts/setup_cpu.sh installed with ``pip install torch==2.13.0``; its files come over as hard
 links (a copy on another file system), its metadata with them, so pip counts it installed as after that command
@@ -18,6 +19,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def make_venv(path: Path) -> Path:
@@ -41,3 +44,12 @@ def _link_or_copy(source: str, target: str) -> None:
         os.link(source, target)
     except OSError:  # another file system
         shutil.copy2(source, target)
+
+
+def pip_install(python: Path, *args: str, timeout: int = 1800) -> None:
+    """``python -m pip install ARGS`` in the repository's folder (relative paths are the checkout's)."""
+    # --no-compile: no bytecode for every module of transformers, lm-eval, ... at install time (only what runs gets
+    # compiled, on import)
+    proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile",
+                           *args], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    assert proc.returncode == 0, f"pip install {' '.join(args)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
