@@ -240,7 +240,10 @@ def test_a_rank_that_stops_answering_ends_the_others_within_the_timeout(tmp_path
 def test_sigterm_to_torchrun_saves_and_torchrun_exits_1(tmp_path):
     """SIGTERM to torchrun: it passes SIGTERM on to its ranks (once each) and waits for them (30 s, then SIGKILL);
     the ranks finish the step, save it and exit 0, and torchrun then exits 1 (it re-raises the signal as an
-    exception): a batch script must not read that as a failure of the training."""
+    exception): a batch script must not read that as a failure of the training. torchrun's own teardown after that
+    exception can abort instead (SIGABRT, "terminate called without an active exception": std::terminate from torch's
+    C++ side as the interpreter ends; seen once, 2026-12-04, in a run of the whole suite), the ranks' saves made
+    all the same."""
     dump = tmp_path / "run"
     with Launcher(tmp_path / "term.log", "--standalone", "--nproc-per-node=2", "-m", "hybridtitan.train",
                   "--job.config_file", RECIPE, "--job.dump_folder", str(dump), *QUICKER,
@@ -252,7 +255,8 @@ def test_sigterm_to_torchrun_saves_and_torchrun_exits_1(tmp_path):
         code = run.wait(timeout=120)
         took = time.monotonic() - t0
         out = run.output()
-    assert code == 1, out[-4000:]
+    aborted_in_teardown = code == -signal.SIGABRT and "terminate called without an active exception" in out
+    assert code == 1 or aborted_in_teardown, out[-4000:]
     assert took < 30, took  # the ranks were done before torchrun's kill
     assert out.count("stopped at step") == 2 and "got signal: 15" in out, out[-4000:]
     assert complete_steps(str(dump / "checkpoint")) == [max(losses(dump))]
