@@ -30,6 +30,7 @@ OVERRIDES = {
     "training.mixed_precision_param": (None, "GPUs: the dtype FSDP2 gathers parameters in and computes with "
                                              "(master weights stay float32). CPUs always compute in float32"),
     "training.mixed_precision_reduce": (None, "The dtype of FSDP2's gradient reductions"),
+    "training.kernel_configs": ("shipped, autotune or a folder", None),
     "optimizer.name": ("AdamW or Adam", "Weight decay applies to weight matrices only"),
     "optimizer.implementation": (None, "torch's Adam/AdamW kernels: fused (CPUs and GPUs), foreach or for-loop; "
                                        "the update runs on each rank's shards of the parameters"),

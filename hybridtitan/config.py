@@ -338,6 +338,8 @@ def validate(cfg, check_data: bool = True) -> None:
     if t.global_batch_size != -1 and t.global_batch_size <= 0:
         raise ConfigError(f"training.global_batch_size must be positive (or -1: local x data-parallel), "
                           f"got {t.global_batch_size}")
+    if not t.kernel_configs.strip():
+        raise ConfigError("training.kernel_configs must be shipped, autotune or a folder's path, got ''")
     if cfg.metrics.log_freq <= 0:
         raise ConfigError(f"metrics.log_freq must be positive, got {cfg.metrics.log_freq}")
     if cfg.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:

@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log_samples", action="store_true",
                    help="also write every sample (its requests and responses) in the --output_path JSON")
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: the checkpoint's)")
+    p.add_argument("--kernel_configs", default="shipped",
+                   help="tuned Triton kernel configurations on a GPU: shipped (the package's for this GPU and "
+                        "versions, else FLA autotunes), autotune, or a folder python -m hybridtitan.tune recorded")
     p.add_argument("--step", type=int, default=None, help="the DCP step (default: the latest complete one)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
@@ -146,12 +149,14 @@ def main(argv: list[str] | None = None) -> None:
 
     from hybridtitan.checkpoint import resolve_checkpoint
     from hybridtitan.hf.convert import is_hf_folder
+    from hybridtitan.ops import kernel_configs
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         fail("--device cuda: no GPU is available")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     with one_line_errors():
+        tuned = kernel_configs.use(args.kernel_configs, torch.device(device))  # before FLA is imported
         if not is_hf_folder(args.checkpoint):
             resolve_checkpoint(args.checkpoint, args.step)  # a bad folder fails before the tasks are indexed
         task_manager, tasks = task_manager_for(names, args.include_path)
@@ -166,13 +171,14 @@ def main(argv: list[str] | None = None) -> None:
         if rank:
             logging.getLogger("lm_eval").setLevel(logging.WARNING)
     try:
-        _evaluate_main(args, tasks, task_manager, device, dtype, world, rank)
+        _evaluate_main(args, tasks, task_manager, device, dtype, world, rank, tuned)
     finally:
         if world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
 
-def _evaluate_main(args, tasks, task_manager, device: str, dtype: str, world: int, rank: int) -> None:
+def _evaluate_main(args, tasks, task_manager, device: str, dtype: str, world: int, rank: int, tuned) -> None:
+    """The evaluation itself; ``tuned``: the kernel configurations in use (hybridtitan.ops.kernel_configs.Choice)."""
     from hybridtitan.loader import load
 
     with one_line_errors():
@@ -196,7 +202,8 @@ def _evaluate_main(args, tasks, task_manager, device: str, dtype: str, world: in
     if isinstance(batch, str):
         batch = f"{args.batch_size} (chosen: {', '.join(map(str, lm.batch_sizes.values())) or 'none'})"
     ranks = f", {world} processes (data parallel)" if world > 1 else ""
-    print(f"hybridtitan: {source}, {dtype} on {device}, batch_size {batch}, limit {args.limit}{ranks}")
+    print(f"hybridtitan: {source}, {dtype} on {device}, batch_size {batch}, limit {args.limit}{ranks}; "
+          f"{tuned.message}")
     print(make_table(results))
     if results.get("groups"):
         print(make_table(results, "groups"))

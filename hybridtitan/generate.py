@@ -98,6 +98,9 @@ def build_parser():
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="default: bfloat16 on a GPU, float32 on CPU")
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: the checkpoint's)")
+    p.add_argument("--kernel_configs", default="shipped",
+                   help="tuned Triton kernel configurations on a GPU: shipped (the package's for this GPU and "
+                        "versions, else FLA autotunes), autotune, or a folder python -m hybridtitan.tune recorded")
     return p
 
 
@@ -120,6 +123,7 @@ def load(args):
 
     from hybridtitan import loader
     from hybridtitan.hf.convert import is_hf_folder
+    from hybridtitan.ops import kernel_configs
 
     if args.step is not None and is_hf_folder(args.checkpoint):
         fail(f"--step: {args.checkpoint} is a Hugging Face folder, which holds one model (no steps)")
@@ -130,9 +134,10 @@ def load(args):
             fail(f"--device {device}: no such GPU is available")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     with one_line_errors():
+        tuned = kernel_configs.use(args.kernel_configs, torch.device(device))
         model, tokenizer, source = loader.load(args.checkpoint, step=args.step, device=device, dtype=dtype,
                                                tokenizer=args.tokenizer)
-    print(f"hybridtitan: {source}, {dtype} on {device}", file=sys.stderr, flush=True)
+    print(f"hybridtitan: {source}, {dtype} on {device}; {tuned.message}", file=sys.stderr, flush=True)
     return model.eval(), tokenizer
 
 

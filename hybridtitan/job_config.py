@@ -255,6 +255,12 @@ class Training:
     documents run eagerly). Much less host time per step for more memory (each layer keeps its own inputs, outputs
     and input gradients): for small micro-batches, where the host's kernel launches set the pace"""
 
+    kernel_configs: str = "shipped"
+    """GPU: where FLA's Triton kernels (and ours) take their tuned configurations from: shipped (the package's,
+    hybridtitan/kernel_configs/<GPU>/, where they match this GPU and its Triton and FLA versions; otherwise FLA
+    autotunes), autotune (FLA autotunes each kernel at each new shape, in every process), or the path of a folder
+    that python -m hybridtitan.tune recorded (refused if it is another GPU's or other versions'). The log says which"""
+
 
 @dataclass(frozen=True)
 class Parallelism:

@@ -42,6 +42,7 @@ from hybridtitan.float8 import (
 )
 from hybridtitan.lr_schedule import SCHEDULE_KEYS, schedule_shape
 from hybridtitan.models import ModelArgs, build_model
+from hybridtitan.ops import kernel_configs
 from hybridtitan.parallel import DataParallel, resolve_data_parallel
 
 DEFAULT_SEED = 42
@@ -84,6 +85,7 @@ class Plan:
     cp: int = 1  # context parallelism's degree: consecutive ranks that split each sequence (same batch)
     cp_layout: str = "zigzag"  # hybridtitan.ops.context_parallel's layout of a split sequence
     dp_rank: int = 0  # this rank's data-parallel rank: the context-parallel ranks of a group read the same batches
+    kernel_configs: kernel_configs.Choice | None = None  # the tuned kernel configurations the run uses
 
 
 def preflight(cfg) -> Plan:
@@ -108,6 +110,10 @@ def preflight(cfg) -> Plan:
     check_context_parallel_model(cfg, args, cp)
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     float8, float8_warnings_ = float8_plan(cfg, args, dp, device, cp)
+    try:
+        tuned = kernel_configs.choose(t.kernel_configs, device)
+    except kernel_configs.KernelConfigError as e:
+        raise ConfigError(str(e)) from None
     tokenizer = None
     needs_tokenizer = cfg.data.source != "mock" or cfg.eval.tasks or (
         cfg.validation.enable and cfg.validation.data.source != "mock")
@@ -154,7 +160,7 @@ def preflight(cfg) -> Plan:
     warnings += [kept] if kept else []
     return Plan(device, world_size, dp, global_batch // per_step, args, tokenizer, dataloader, seed, start,
                 held_out, teacher, tuple(warnings), what_the_run_reads(cfg, global_batch), lr_scheduler, float8,
-                cp=cp, cp_layout=cp_layout, dp_rank=dp_rank)
+                cp=cp, cp_layout=cp_layout, dp_rank=dp_rank, kernel_configs=tuned)
 
 
 def context_parallel_plan(cfg, world_size: int) -> tuple[int, str]:

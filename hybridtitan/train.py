@@ -50,6 +50,7 @@ from hybridtitan.lr_schedule import LRSchedule
 from hybridtitan.metrics import MetricsLogger
 from hybridtitan.models import build_model
 from hybridtitan.models.flops import param_counts
+from hybridtitan.ops import kernel_configs
 from hybridtitan.ops.context_parallel import context_parallel_group, shard_batch
 from hybridtitan.optim import build_optimizer, clip_grad_norm_
 from hybridtitan.parallel import build_mesh, parallelize
@@ -223,6 +224,10 @@ class Trainer:
         setup_logging(self.rank)
         for warning in plan.warnings:
             logger.warning(warning)
+        # tuned kernel configurations, before anything imports FLA (its kernels are defined at its import)
+        logger.info(plan.kernel_configs.message)
+        if self.device.type == "cuda":
+            kernel_configs.activate(plan.kernel_configs)
         torch.manual_seed(plan.seed)
         if cfg.debug.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -319,6 +324,20 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ the loop
 
+    def _report_autotuning(self) -> None:
+        """After the first step on a GPU: the kernels that met a shape the configurations in use do not hold, and
+        so autotuned in this process (each rank alone)."""
+        if self.device.type != "cuda":
+            return
+        tuned = kernel_configs.autotuned_here(self.plan.kernel_configs)
+        if tuned and self.plan.kernel_configs.folder is not None:
+            logger.warning(f"{len(tuned)} kernels autotuned at shapes the kernel configurations do not hold "
+                           f"({', '.join(tuned[:8])}{', ...' if len(tuned) > 8 else ''}); record them: "
+                           f"python -m hybridtitan.tune with this recipe and --output {self.plan.kernel_configs.path}")
+        elif tuned:
+            logger.info(f"{len(tuned)} kernels autotuned in the first step; python -m hybridtitan.tune with this "
+                        "recipe records their choices, for training.kernel_configs")
+
     def train(self) -> dict:
         """Trains to training.steps (or a stop request); returns the last logged metrics."""
         t = self.cfg.training
@@ -330,6 +349,7 @@ class Trainer:
                 result = self.train_step()
                 if step == self.start_step + 1:  # start-up is over: a collective now waits train_timeout_seconds
                     set_collective_timeout(self.cfg.comm.train_timeout_seconds, self.mesh)
+                    self._report_autotuning()
                 self.window.add(result)
                 if prof is not None:
                     prof.step()
