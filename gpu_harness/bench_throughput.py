@@ -60,11 +60,14 @@ from common import (  # noqa: E402
     init_process_group_of_one,
     is_oom,
     is_pure_fla_model,
+    kernel_config_arguments,
     matmul_rate,
     one_line,
+    record_kernel_configs,
     rel_err,
     set_expandable_segments,
     sync,
+    use_kernel_configs,
     versions,
     write_json,
 )
@@ -142,6 +145,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "and how busy the GPU was (gpu_timeline)")
     p.add_argument("--profile-dir", default=None, help="where the profile goes (default $OUT if set, else ./profiles)")
     p.add_argument("--markdown", default=None, help="append a dated section (command, versions, table) to this file")
+    kernel_config_arguments(p)
     p.add_argument("--json", default=None, help="write every result to this file (rewritten after each case)")
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds: start no new case after this much time (results so far are still written)")
@@ -657,11 +661,13 @@ def main(argv=None) -> int:
         print("error: --device cuda but no GPU is visible", file=sys.stderr)
         return 2
     expandable = set_expandable_segments(device)  # before any CUDA allocation
+    tuned = use_kernel_configs(args.kernel_configs, device)  # before FLA is imported (both implementations)
     mesh = init_process_group_of_one(device)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    info = versions(device)
+    info = versions(device)  # (imports FLA: the configurations are chosen first)
     info["expandable_segments"] = expandable
+    info["kernel_configs"] = tuned.message
     print(f"bench_throughput: {settings_text(args, {**info, 'matmul_flops': float('nan')}, device).splitlines()[0]}",
           flush=True)
     if expandable:
@@ -733,6 +739,7 @@ def main(argv=None) -> int:
     save()
     if args.json:
         print(f"wrote {args.json}")
+    record_kernel_configs(args.record_kernel_configs, device, "bench_throughput")
     with contextlib.suppress(Exception):
         from common import destroy_process_group
 

@@ -110,6 +110,44 @@ def versions(device: torch.device | None = None) -> dict:
     return info
 
 
+# ------------------------------------------------------------------------------------------------ kernel configurations
+
+
+def kernel_config_arguments(parser) -> None:
+    """The harness scripts' two options for tuned kernel configurations (hybridtitan.ops.kernel_configs)."""
+    parser.add_argument("--kernel-configs", default="shipped",
+                        help="shipped (the package's for this GPU and versions; else FLA autotunes), autotune, or "
+                             "a folder python -m hybridtitan.tune recorded (default shipped)")
+    parser.add_argument("--record-kernel-configs", default=None, metavar="FOLDER",
+                        help="after the run, merge what the autotuner chose into FOLDER (with --kernel-configs "
+                             "autotune: every shape of the run tuned on this GPU)")
+
+
+def use_kernel_configs(setting: str, device, quiet: bool = False):
+    """The configurations ``setting`` gives, activated on a GPU: before anything imports FLA. Returns the choice."""
+    from hybridtitan.ops import kernel_configs
+
+    try:
+        choice = kernel_configs.use(setting, torch.device(device))
+    except kernel_configs.KernelConfigError as e:
+        raise SystemExit(f"error: --kernel-configs: {e}") from None
+    if not quiet:
+        print(choice.message, flush=True)
+    return choice
+
+
+def record_kernel_configs(folder: str | None, device, what: str) -> None:
+    """What the autotuner chose in this process, merged into ``folder`` (nothing where it is None or on a CPU)."""
+    device = torch.device(device)
+    if folder is None or device.type != "cuda":
+        return
+    from hybridtitan.ops import kernel_configs
+
+    written = kernel_configs.save_choices(folder, kernel_configs.this_gpu(device),
+                                          {"harness": what, "argv": sys.argv[1:]})
+    print(f"recorded {sum(written.values())} shapes of {len(written)} kernels in {folder}", flush=True)
+
+
 def set_expandable_segments(device: torch.device) -> bool:
     """The trainer's allocator setting (hybridtitan/train.py), before the first CUDA allocation."""
     if device.type != "cuda":

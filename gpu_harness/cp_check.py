@@ -38,7 +38,13 @@ if HERE not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from common import REPO, rel_err  # noqa: E402,F401  (REPO: puts the checkout on sys.path)
+from common import (  # noqa: E402,F401  (REPO: puts the checkout on sys.path)
+    REPO,
+    kernel_config_arguments,
+    record_kernel_configs,
+    rel_err,
+    use_kernel_configs,
+)
 
 OPS = ("gated_delta_rule", "kda", "simple_gla", "short_conv", "attention")
 WORLD = 2
@@ -141,10 +147,13 @@ def check(kernels, shard, op: str, B: int, cu, seed: int, device, small: bool) -
     return errors
 
 
-def worker(rank: int, folder: str, device_type: str, T: int) -> None:
+def worker(rank: int, folder: str, device_type: str, T: int, tuned: str, record: str | None) -> None:
     """One rank: every case in turn, each appended to folder/rank<R>.jsonl as it completes (a run cut short keeps
-    what it found)."""
+    what it found). ``tuned``: the kernel configurations (activated before FLA is imported); ``record``: a folder
+    to merge what this rank's autotuner chose into, after its cases."""
     import datetime
+
+    use_kernel_configs(tuned, device_type, quiet=rank > 0)
 
     import torch.distributed as dist
 
@@ -170,6 +179,7 @@ def worker(rank: int, folder: str, device_type: str, T: int) -> None:
                     out.write(json.dumps({"case": f"{op} {layout} {case}", "errors": errors,
                                           "seconds": time.perf_counter() - start}) + "\n")
                     out.flush()
+    record_kernel_configs(record, device, f"cp_check rank {rank}")
     dist.destroy_process_group()
 
 
@@ -190,10 +200,12 @@ def main(argv=None) -> int:
     p.add_argument("--bar", type=float, default=2e-2)
     p.add_argument("--timeout", type=float, default=480, help="seconds before the ranks are stopped (default 480)")
     p.add_argument("--json", default=None)
+    kernel_config_arguments(p)
     args = p.parse_args(argv)
     import torch.multiprocessing as mp
 
     T = args.seq_len or (8192 if args.device == "cuda" else 256)
+    use_kernel_configs(args.kernel_configs, args.device)  # checked here, activated in each rank
     versions = {"torch": torch.__version__}
     try:
         import fla
@@ -217,7 +229,8 @@ def main(argv=None) -> int:
         print(f"{'PASS' if ok else 'FAIL'}  {key:<34} {detail}  ({report[key]['seconds']:.1f} s)", flush=True)
 
     with tempfile.TemporaryDirectory() as folder:
-        context = mp.start_processes(worker, args=(folder, args.device, T), nprocs=WORLD, join=False,
+        context = mp.start_processes(worker, args=(folder, args.device, T, args.kernel_configs,
+                                                   args.record_kernel_configs), nprocs=WORLD, join=False,
                                      start_method="spawn")
         deadline, finished = time.monotonic() + args.timeout, False
         try:

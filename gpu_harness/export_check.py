@@ -136,6 +136,9 @@ def main(argv=None) -> None:
     p.add_argument("--device", default=None, help="the fast side (default: cuda if available, else cpu)")
     p.add_argument("--flavors", default=",".join(FLAVORS))
     p.add_argument("--json", default=None, help="write the results here too")
+    from common import kernel_config_arguments, record_kernel_configs, use_kernel_configs
+
+    kernel_config_arguments(p)
     a = p.parse_args(argv)
     import warnings
 
@@ -148,6 +151,7 @@ def main(argv=None) -> None:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    use_kernel_configs(a.kernel_configs, device)  # before FLA is imported
     info = versions()
     print("versions:", ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
     t0, results = time.perf_counter(), []
@@ -160,6 +164,7 @@ def main(argv=None) -> None:
                 results.append({"flavor": flavor, "case": "run", "ok": False, "detail": f"{type(e).__name__}: {first}"})
                 print(f"FAIL  {flavor:13s} run     {type(e).__name__}: {first}", flush=True)
     print(f"{sum(r['ok'] for r in results)}/{len(results)} passed in {time.perf_counter() - t0:.0f} s", flush=True)
+    record_kernel_configs(a.record_kernel_configs, device, "export_check")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"versions": info, "device": device, "results": results}, f, indent=1)

@@ -64,12 +64,15 @@ from common import (  # noqa: E402
     fla_model_class,
     fmt,
     format_table,
+    kernel_config_arguments,
     load_into_fla,
     one_line,
+    record_kernel_configs,
     rel_diff,
     rel_err,
     run_exporter,
     to_fla_state_dict,
+    use_kernel_configs,
     versions,
     write_json,
 )
@@ -111,6 +114,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="extra arguments for the exporter (default: the tokenizer the repo ships, since a "
                         "model-only checkpoint names none)")
     p.add_argument("--seed", type=int, default=0)
+    kernel_config_arguments(p)
     p.add_argument("--verbose", action="store_true", help="print the traceback of a failing case")
     args = p.parse_args(argv)
     args.only = {s.strip() for s in args.only.split(",") if s.strip()}
@@ -764,6 +768,7 @@ def main(argv=None) -> int:
     # a float32 reference means float32: no TF32 in the reference matmuls
     torch.set_float32_matmul_precision("highest")
     torch.backends.cudnn.allow_tf32 = False
+    use_kernel_configs(args.kernel_configs, device)  # before FLA is imported
     info = versions(device)
     print(f"gpu_check: device {device} ({info.get('gpu') or info.get('cpu')}), torch {info['torch']}, triton "
           f"{info['triton']}, fla {info['fla']}, transformers {info['transformers']}; tol {args.tol:g}"
@@ -780,6 +785,7 @@ def main(argv=None) -> int:
             print(f"  ({section}: {time.perf_counter() - t1:.1f} s)", flush=True)
     print_report(res)
     print(f"total {time.perf_counter() - t0:.1f} s")
+    record_kernel_configs(args.record_kernel_configs, device, "gpu_check")
     if args.json:
         write_json(args.json, {"versions": info, "argv": sys.argv, "tol": args.tol, "tiny": args.tiny,
                                "results": res.rows})

@@ -105,6 +105,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--launcher", choices=("torchrun", "python"), default=None,
                    help="torchrun --standalone --nproc_per_node 1, or python -m (default: torchrun on a GPU)")
     p.add_argument("--matmul-size", type=int, default=8192)
+    p.add_argument("--fresh-triton-cache", action="store_true",
+                   help="each run with empty Triton and TorchInductor caches of its own (a cold start: the first "
+                        "step's time is compiling, and autotuning where no kernel configurations apply)")
     p.add_argument("--workdir", default=None, help="dump folders and logs of the runs (default: a new temp folder)")
     p.add_argument("--markdown", default=None, help="write the report here (rewritten after every run)")
     p.add_argument("--json", default=None, help="write every result here (rewritten after every run)")
@@ -240,6 +243,9 @@ def child_env(args, tree: str) -> dict:
            "PYTHONUNBUFFERED": "1"}
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
+    if args.fresh_triton_cache:  # a cold start: Triton and TorchInductor compile everything again
+        env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-", dir=args.workdir)
+        env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cold-", dir=args.workdir)
     return env
 
 
@@ -406,8 +412,8 @@ def _pct(x):
     return f"{100 * x:.1f}%" if x is not None else "-"
 
 
-COLUMNS = ["case", "tree", "rep", "batch", "tok/s/dev", "ms/step", "TFLOP/s/GPU", "MFU logged", "MFU vs matmul",
-           "peak alloc GiB", "peak reserved GiB", "estimate GiB (peak / estimate)", "status"]
+COLUMNS = ["case", "tree", "rep", "batch", "tok/s/dev", "ms/step", "first step s", "TFLOP/s/GPU", "MFU logged",
+           "MFU vs matmul", "peak alloc GiB", "peak reserved GiB", "estimate GiB (peak / estimate)", "status"]
 
 
 def table_rows(rows: list[dict]) -> list[list]:
@@ -421,7 +427,8 @@ def table_rows(rows: list[dict]) -> list[list]:
                                                    else "")
         case = r["case"] + (f" ({r['flavor']})" if r.get("flavor") and r["flavor"] != r["case"].split(":")[0] else "")
         out.append([case, r["tree"], r["repeat"], r.get("local_batch"), _num(r.get("tokens_per_s"), "{:,.0f}"),
-                    _num(1e3 * r["step_s"] if r.get("step_s") else None), _num(r.get("tflops_per_gpu")),
+                    _num(1e3 * r["step_s"] if r.get("step_s") else None), _num(r.get("first_step_s")),
+                    _num(r.get("tflops_per_gpu")),
                     _pct(r.get("mfu_logged")), _pct(r.get("mfu_matmul")), _num(r.get("memory_gib")),
                     _num(r.get("memory_reserved_gib")), estimate, status])
     return out

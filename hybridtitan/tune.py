@@ -7,11 +7,12 @@
 Runs ``--steps`` training steps of the recipe in this process on this GPU, forward and backward at the recipe's
 shapes (its micro-batch, sequence length, packed documents where ``data.document_boundaries`` says so, its
 activation checkpointing and torch.compile), on mock tokens, with no checkpoint, validation or evaluation, while
-every Triton kernel autotunes once (``training.kernel_configs = "autotune"``); with ``--decode`` it also runs
-decoding's prefill and one-token steps. Then it merges the configuration the autotuner chose for every shape of
-every kernel, FLA's and ours, into ``--output`` (default: the package's folder for this GPU,
-hybridtitan/kernel_configs/<GPU>/) in FLA's format, with the GPU and the Triton, FLA and torch versions
-(hybridtitan.ops.kernel_configs). Several recipes merge into one folder, a run at a time or several at once.
+every Triton kernel autotunes once at each shape ``--output`` does not hold already (every shape with
+``--retune``); with ``--decode`` it also runs decoding's prefill and one-token steps. Then it merges the
+configuration the autotuner chose for every shape of every kernel, FLA's and ours, into ``--output`` (default:
+the package's folder for this GPU, hybridtitan/kernel_configs/<GPU>/) in FLA's format, with the GPU and the
+Triton, FLA and torch versions (hybridtitan.ops.kernel_configs). Several recipes merge into one folder, a run at
+a time or several at once.
 
 One process is enough for a run of any number of GPUs: a data-parallel rank runs the same micro-batch shapes (a
 context-parallel run's shapes are a rank's share of each sequence: tune with ``--training.seq_len`` at that share).
@@ -21,6 +22,7 @@ A user error is one line and exit code 2, before anything is written; so is a ma
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -33,12 +35,17 @@ DECODE_STEPS = 4
 def build_parser() -> argparse.ArgumentParser:
     from hybridtitan.cli import OneLineParser
 
-    p = OneLineParser(prog="python -m hybridtitan.tune", description=__doc__.split("\n\n")[0],
+    p = OneLineParser(prog="python -m hybridtitan.tune", description=__doc__.split("\n\n")[0], allow_abbrev=False,
                       epilog="Every other argument is the trainer's: --job.config_file RECIPE and "
                              "--section.key VALUE overrides.")
     p.add_argument("--output", default=None, help="the folder to merge into (default: the package's for this GPU)")
     p.add_argument("--steps", type=int, default=2, help="training steps to run (the first autotunes)")
     p.add_argument("--decode", action="store_true", help="also decoding's shapes (generate, lm-eval's generation)")
+    p.add_argument("--one-of-each", action="store_true",
+                   help="a model of one sublayer of each kind of the pattern (\"*-M-M-M-\" -> \"*-M\"): the same "
+                        "shapes in a fraction of the memory and time (a model too large for one GPU)")
+    p.add_argument("--retune", action="store_true",
+                   help="autotune every shape again (default: a shape --output already holds keeps its configuration)")
     return p
 
 
@@ -108,10 +115,21 @@ def main(argv: list[str] | None = None) -> None:
             raise kernel_configs.KernelConfigError(f"--output {output}: a folder that is not one of kernel "
                                                    "configurations (it holds files and no record.json)")
         recipe = parse_config(recipe_argv)
+        if own.one_of_each:  # every sublayer of a kind has the same shapes, so the kernels meet the same keys
+            from hybridtitan.config import model_args
+
+            recipe_argv = recipe_argv + ["--model.pattern", "".join(dict.fromkeys(model_args(recipe).pattern))]
+            recipe = parse_config(recipe_argv)
     with tempfile.TemporaryDirectory(prefix="hybridtitan-tune-") as dump:
         with one_line_errors():
             cfg = parse_config(recipe_argv + tuning_overrides(own.steps, dump, recipe.training.local_batch_size))
             plan = preflight(cfg)
+        if not own.retune and os.path.exists(os.path.join(output, kernel_configs.RECORD)):
+            # the shapes recorded already keep their configurations (exact keys only): only new ones autotune
+            kept = kernel_configs.read_folder(output)
+            plan = dataclasses.replace(plan, kernel_configs=kernel_configs.Choice(
+                output, kept, f"kernel configurations: {output}'s {kept.entries()} recorded shapes kept, every other "
+                              "shape autotunes (--retune: all of them)", mode="strict"))
         from hybridtitan.train import Trainer
 
         started = time.perf_counter()
@@ -124,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
             trainer.close(True)
     seconds = time.perf_counter() - started
     recorded = {"recipe": recipe.job.config_file, "argv": recipe_argv, "decode": own.decode,
+                "pattern": plan.model_args.pattern,
                 "local_batch_size": cfg.training.local_batch_size, "seq_len": cfg.training.seq_len,
                 "document_boundaries": cfg.data.document_boundaries, "seconds": round(seconds, 1)}
     with one_line_errors():

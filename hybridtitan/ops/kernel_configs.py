@@ -190,6 +190,7 @@ class Choice:
     setting: str
     folder: Folder | None
     message: str
+    mode: str = "fuzzy"  # FLA_CACHE_MODE: fuzzy (a shape not recorded takes one of the same structure), or strict
 
     @property
     def path(self) -> str | None:
@@ -267,9 +268,9 @@ def activate(choice: Choice) -> None:
         raise RuntimeError("kernel configurations must be activated before FLA is imported: its kernels are "
                            "defined at its import")
     os.environ["FLA_CONFIG_DIR"] = os.path.abspath(choice.folder.path)
-    os.environ["FLA_CACHE_MODE"] = "fuzzy"
+    os.environ["FLA_CACHE_MODE"] = choice.mode
     cache = _fla_cache_module()
-    if cache.FLA_CACHE_MODE.value != "fuzzy":
+    if cache.FLA_CACHE_MODE.value != choice.mode:
         raise RuntimeError("FLA's cache module was loaded before FLA_CACHE_MODE was set")
     cache.configure_fla_cache_autotune()
 
