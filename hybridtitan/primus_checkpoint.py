@@ -142,7 +142,7 @@ def safe_load(source: str | bytes, what: str):
         stream.seek(0)
     try:
         with torch.serialization.safe_globals([(obj, name) for name, obj in allowed.items()]):
-            return torch.load(stream, map_location="cpu", weights_only=True)
+            return torch.load(stream, map_location="cpu", weights_only=True, mmap=isinstance(source, str))
     except Exception as e:  # noqa: BLE001
         raise ConversionError(f"cannot read {what}: {first_error_line(e, with_type=True)}") from None
 
@@ -651,17 +651,24 @@ def read_primus_checkpoint(path: str) -> tuple[ModelArgs, dict[str, torch.Tensor
     return model_args, state, f"Primus {fmt} format, iteration {it}{ranks}; model only", args
 
 
-def checkpoint_tokenizer_path(args) -> str | None:
-    """The tokenizer folder Megatron's args name (tokenizer_model), where it is a local folder with a tokenizer."""
-    from hybridtitan.loader import has_tokenizer
+def args_tokenizer(args, vocab_size: int):
+    """(the tokenizer Megatron's args name in tokenizer_model, or None; why none): a local folder, or a hub name
+    that loads (from the cache where the hub is offline)."""
+    from hybridtitan.hf.convert import load_tokenizer
 
-    path = _arg(args, "tokenizer_model")
-    return str(path) if path and os.path.isdir(str(path)) and has_tokenizer(str(path)) else None
+    name = _arg(args, "tokenizer_model")
+    if not name:
+        return None, "args name no tokenizer_model"
+    try:
+        return load_tokenizer(str(name), vocab_size), ""
+    except ConversionError as e:
+        return None, f"args.tokenizer_model {name} did not load: {first_error_line(e)}"
 
 
 def import_primus(model: str, output: str, *, tokenizer: str | None = None, overwrite: bool = False) -> str:
     """Writes the DCP step folder ``output`` (model only) from a Primus checkpoint; returns what was read.
-    ConversionError (one line) on bad input, before anything is written."""
+    ConversionError (one line) on bad input, before anything is written. The tokenizer saved inside is
+    ``tokenizer``, else the one args.tokenizer_model names where it loads, else none (said in the result)."""
     from hybridtitan.hf.convert import load_tokenizer, model_from_state, output_problem
     from hybridtitan.import_hf import write_step_folder
 
@@ -672,7 +679,9 @@ def import_primus(model: str, output: str, *, tokenizer: str | None = None, over
     model_args, state, description, args = read_primus_checkpoint(model)
     net = model_from_state(model_args, state, source=model)
     del state
-    tok_path = tokenizer or checkpoint_tokenizer_path(args)
-    tok = load_tokenizer(tok_path, model_args.vocab_size) if tok_path else None
+    if tokenizer:
+        tok, why = load_tokenizer(tokenizer, model_args.vocab_size), ""
+    else:
+        tok, why = args_tokenizer(args, model_args.vocab_size)
     write_step_folder(net, output, tok)
-    return description if tok is not None else description + "; no tokenizer saved (give --tokenizer)"
+    return description if tok is not None else f"{description}; no tokenizer saved ({why}; give --tokenizer)"

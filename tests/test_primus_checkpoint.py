@@ -318,6 +318,11 @@ def test_iteration_chosen(tmp_path, capsys):
     import_cli(run, tmp_path / "d")
     same_logits(tmp_path / "d", new)
     assert "iteration 30" in capsys.readouterr().out
+    # args that name no tokenizer: the model is imported, and the output says none was saved
+    write_primus(old, tmp_path / "untok", args=megatron_args(old.args, tokenizer_model=None))
+    import_cli(tmp_path / "untok", tmp_path / "e")
+    assert "no tokenizer saved (args name no tokenizer_model; give --tokenizer)" in capsys.readouterr().out
+    assert not (tmp_path / "e" / "tokenizer").exists()
 
 
 def test_training_resumes_from_the_import(tmp_path):
