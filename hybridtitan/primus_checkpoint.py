@@ -329,6 +329,17 @@ def _arg(args, name: str, default=None):
     return default if value is None else value
 
 
+def _need(args, name: str, kind=int):
+    """args.<name> as ``kind``; ConversionError where it is missing or not a number."""
+    value = getattr(args, name, None)
+    if value is None:
+        raise ConversionError(f"args lack {name}, which the model's shape is read from")
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ConversionError(f"args.{name} is {value!r}, not a number") from None
+
+
 def _pattern(args) -> str:
     for name in ("hybrid_override_pattern", "hybrid_layer_pattern"):
         if _arg(args, name):
@@ -403,7 +414,7 @@ def model_args_from_megatron(args, src: RankTensors) -> ModelArgs:
         raise ConversionError(f"the checkpoint mixes {' and '.join(m.upper() for m in mixers)} layers; a "
                               "hybridtitan model has one mixer kind")
     tp = src.tp
-    dim = int(args.hidden_size)
+    dim = _need(args, "hidden_size")
     fields = dict(vocab_size=int(_arg(args, "padded_vocab_size", src.local_shape("embedding.word_embeddings.weight")[0]
                                       * tp)),
                   dim=dim, n_layers=n_layers, ffn_dim=int(_arg(args, "ffn_hidden_size", 4 * dim)), pattern=pattern,
@@ -431,8 +442,8 @@ def model_args_from_megatron(args, src: RankTensors) -> ModelArgs:
                                           n_groups=int(_arg(args, "mamba_num_groups", 8)), expand=d_inner // dim,
                                           conv_size=conv_size)
         else:
-            heads, v_heads = int(args.linear_num_key_heads), int(args.linear_num_value_heads)
-            head_dim, head_v_dim = int(args.linear_key_head_dim), int(args.linear_value_head_dim)
+            heads, v_heads = _need(args, "linear_num_key_heads"), _need(args, "linear_num_value_heads")
+            head_dim, head_v_dim = _need(args, "linear_key_head_dim"), _need(args, "linear_value_head_dim")
             if mixer == "gdn":
                 fields["gdn"] = GDNArgs(num_heads=heads, num_v_heads=v_heads, head_dim=head_dim,
                                         head_v_dim=head_v_dim, conv_size=conv_size)
@@ -454,9 +465,9 @@ def model_args_from_megatron(args, src: RankTensors) -> ModelArgs:
         q_lora = int(_arg(args, "q_lora_rank", 0))
         defaults = MLAArgs()
         fields["mla"] = MLAArgs(
-            num_heads=int(args.num_attention_heads), q_lora_rank=q_lora, kv_lora_rank=int(args.kv_lora_rank),
-            qk_nope_head_dim=int(args.qk_head_dim), qk_rope_head_dim=int(args.qk_pos_emb_head_dim),
-            v_head_dim=int(args.v_head_dim), rope_theta=float(_arg(args, "rotary_base", 10000)),
+            num_heads=_need(args, "num_attention_heads"), q_lora_rank=q_lora, kv_lora_rank=_need(args, "kv_lora_rank"),
+            qk_nope_head_dim=_need(args, "qk_head_dim"), qk_rope_head_dim=_need(args, "qk_pos_emb_head_dim"),
+            v_head_dim=_need(args, "v_head_dim"), rope_theta=float(_arg(args, "rotary_base", 10000)),
             rope_scaling_factor=factor,
             original_max_position_embeddings=int(_arg(args, "original_max_position_embeddings",
                                                       defaults.original_max_position_embeddings)),
@@ -644,7 +655,12 @@ def read_primus_checkpoint(path: str) -> tuple[ModelArgs, dict[str, torch.Tensor
     if fmt == "fsdp_dtensor" and int(_arg(args, "tensor_model_parallel_size", 1)) > 1:
         raise ConversionError(f"{folder}: an fsdp_dtensor checkpoint of tensor_model_parallel_size "
                               f"{args.tensor_model_parallel_size} is not read (only 1)")
-    model_args = model_args_from_megatron(args, src)
+    try:
+        model_args = model_args_from_megatron(args, src)
+    except ConversionError:
+        raise
+    except (TypeError, ValueError) as e:  # a value of args of another type than Megatron's
+        raise ConversionError(f"{folder}: args: {first_error_line(e, with_type=True)}") from None
     state = state_from_megatron(model_args, src)
     it = iteration if isinstance(iteration, int) else number
     ranks = f", {src.tp} tensor-parallel ranks merged" if src.tp > 1 else ""

@@ -418,7 +418,8 @@ def test_bad_checkpoints_refused(tmp_path, capsys):
                    "says mixer ('M') at position 0, but decoder.layers.0 holds MLA tensors")
     expect_refusal(capsys, run_with(args=megatron_args(a, hybrid_override_pattern="*-M-", num_layers=4)), out,
                    "decoder.layers.5, past the 4 layers")
-    # sizes in args that the tensors do not have
+    # sizes in args that the tensors do not have, or none
+    expect_refusal(capsys, run_with(args=megatron_args(a, hidden_size=None)), out, "args lack hidden_size")
     expect_refusal(capsys, run_with(args=megatron_args(a, ffn_hidden_size=96)), out,
                    "tensor decoder.layers.1.mlp.linear_fc1.weight has shape (256, 64), but the checkpoint's args "
                    "imply (192, 64)")
