@@ -79,15 +79,12 @@ RANK_RE = re.compile(r"^mp_rank_(\d+)$")
 PIPELINE_RANK_RE = re.compile(r"^mp_rank_\d+_\d+$")
 FSDP_PREFIX = "model.module."
 
-# Megatron's enums that its args hold (the model type, the attention backend, ...), recorded by value: Megatron need
-# not be installed to read its checkpoints.
+# Megatron's enums that its checkpoints hold (args.model_type, args.attention_backend, the rerun state machine's
+# mode, ...), recorded by value: Megatron need not be installed to read its checkpoints.
 MEGATRON_ENUMS = (
     "megatron.core.enums.ModelType",
     "megatron.core.enums.Fp8Recipe",
     "megatron.core.transformer.enums.AttnBackend",
-    "megatron.core.transformer.enums.AttnMaskType",
-    "megatron.core.transformer.enums.AttnType",
-    "megatron.core.transformer.enums.LayerType",
     "megatron.core.transformer.enums.CudaGraphScope",
     "megatron.core.rerun_state_machine.RerunMode",
 )
@@ -113,10 +110,15 @@ def _allowed_globals() -> dict[str, object]:
     """The globals a Primus checkpoint may name besides torch's own, each with what it loads as."""
     import numpy as np
 
+    try:  # numpy 2 (numpy.core in numpy 1)
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:
+        from numpy.core.multiarray import _reconstruct
+
     allowed: dict[str, object] = {"argparse.Namespace": argparse.Namespace, "_io.BytesIO": io.BytesIO,
                                   "numpy.ndarray": np.ndarray, "numpy.dtype": np.dtype}
-    for module in ("numpy._core.multiarray", "numpy.core.multiarray"):
-        allowed[f"{module}._reconstruct"] = np._core.multiarray._reconstruct
+    for module in ("numpy._core.multiarray", "numpy.core.multiarray"):  # as numpy 2 and numpy 1 pickle it
+        allowed[f"{module}._reconstruct"] = _reconstruct
     for name in dir(np.dtypes):  # the dtype classes of the arrays (numpy.dtypes.UInt32DType, ...)
         if name.endswith("DType"):
             allowed[f"numpy.dtypes.{name}"] = getattr(np.dtypes, name)
