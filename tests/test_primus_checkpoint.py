@@ -325,6 +325,24 @@ def test_iteration_chosen(tmp_path, capsys):
     assert not (tmp_path / "e" / "tokenizer").exists()
 
 
+def test_pattern_from_the_ratio_and_export(tmp_path, capsys):
+    """Without an explicit pattern, args' hybrid_attention_ratio places the layers by Primus's rule; the import
+    exports to a Hugging Face folder with the same logits."""
+    from hybridtitan.export_hf import export
+    from hybridtitan.hf.convert import load_hf_model
+
+    model = make_model("mamba2_mla", False)
+    args = megatron_args(model.args, hybrid_override_pattern=None, hybrid_attention_ratio=0.34)  # 1 of 3 pairs
+    write_primus(model, tmp_path / "run", args=args)
+    import_cli(tmp_path / "run", tmp_path / "step-0")
+    back, _ = load_model(str(tmp_path / "step-0"))
+    assert back.args == model.args.replace(hybrid_attention_ratio=0.34) and back.args.pattern == "*-M-M-"
+    assert export(str(tmp_path / "step-0"), str(tmp_path / "hf"), dtype="float32") == "hybridtitan"
+    x = torch.randint(0, 8192, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(load_hf_model(str(tmp_path / "hf"))(x), model(x), atol=1e-5, rtol=0)
+
+
 def test_training_resumes_from_the_import(tmp_path):
     """The import of a Primus checkpoint of the debug_hybrid recipe's model is the step-0 its run starts from."""
     from hybridtitan.models import get_flavor
