@@ -1,6 +1,7 @@
 """Hugging Face folder (or Primus checkpoint) -> DCP step-0 that training can start from.
 
     python -m hybridtitan.import_hf --model hf/fla-gdn-340M --output outputs/gdn_ft/checkpoint/step-0
+    python -m hybridtitan.import_hf --model primus/output/.../checkpoints --output outputs/gdn_ft/checkpoint/step-0
     python -m hybridtitan.train --job.config_file ... --job.dump_folder outputs/gdn_ft      # starts from step-0
     (or, with any dump folder: --checkpoint.initial_load_path outputs/gdn_ft/checkpoint/step-0)
 
@@ -8,10 +9,10 @@ Reads a Llama (LlamaForCausalLM), an FLA GatedDeltaNet/KDA checkpoint (GatedDelt
 or one of our own exports (model_type hybridtitan), checks that every tensor fits the model its config describes,
 and writes a model-only DCP checkpoint with model_args.json; the tokenizer found in the folder (or --tokenizer) is
 saved inside it under ``tokenizer/``, where export and evaluation find it. A Primus (Megatron-LM) checkpoint
-folder, a run's or one ``iter_N`` of either of its formats, is read by hybridtitan.primus_checkpoint instead (the
-model only: its optimizer state does not carry over). The step folder appears only once
-complete. An existing output folder that is not empty is refused; --overwrite replaces an earlier import (a
-model-only step folder), never a training checkpoint or a run's dump or checkpoint folder.
+folder, a run's or one ``iter_N`` in either of its formats, is read by hybridtitan.primus_checkpoint instead (the
+model only: its optimizer state does not carry over). The step folder appears only once complete. An existing
+output folder that is not empty is refused; --overwrite replaces an earlier import (a model-only step folder), never
+a training checkpoint or a run's dump or checkpoint folder.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="the step folder to write, e.g. OUT/checkpoint/step-0")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer to save with it (default: the model folder's; for a Primus checkpoint, its "
-                        "args.tokenizer_model where that is a local folder)")
+                        "args.tokenizer_model where it loads)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     return p
 
