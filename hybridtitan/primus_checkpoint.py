@@ -248,7 +248,7 @@ def read_fsdp_dtensor(folder: str) -> tuple[argparse.Namespace | None, list[dict
              if k.startswith(FSDP_PREFIX) and isinstance(v, TensorStorageMetadata) and not k.endswith("_extra_state")}
     if not state:
         raise ConversionError(f"{folder} holds DCP files but no model tensors under '{FSDP_PREFIX}': not a Primus "
-                              "fsdp_dtensor checkpoint")
+                              "fsdp_dtensor checkpoint (Megatron's torch_dist format is not read)")
     wanted = {**state, **{k: None for k in ("args", "iteration") if isinstance(items.get(k), BytesStorageMetadata)}}
     planner = RawBytesPlanner()
     try:

@@ -399,6 +399,10 @@ def test_bad_checkpoints_refused(tmp_path, capsys):
     run = run_with(fmt="fsdp_dtensor")
     (run / "iter_0000020" / ".metadata").write_bytes(b"garbage")
     expect_refusal(capsys, run, out, "cannot read the DCP metadata")
+    # DCP files of another layout (Megatron's torch_dist: no model.module. names)
+    run = tmp_path / "dist" / "iter_0000005"
+    dcp.save({"decoder.final_norm.weight": torch.ones(a.dim)}, checkpoint_id=str(run), no_dist=True)
+    expect_refusal(capsys, run, out, "no model tensors under 'model.module.'")
     # a latest file that names a missing iteration; a missing rank file
     run = run_with()
     (run / "latest_checkpointed_iteration.txt").write_text("40")
