@@ -313,7 +313,7 @@ class RankTensors:
                 a == b for i, (a, b) in enumerate(zip(local, shape)) if i != dim):
             blocks = parts or [shape[dim]]
             if all(b % tp == 0 for b in blocks):
-                split = [[p for p in t.split([b // tp for b in blocks], dim=dim)] for t in shards]
+                split = [t.split([b // tp for b in blocks], dim=dim) for t in shards]
                 return torch.cat([torch.cat([s[i] for s in split], dim=dim) for i in range(len(blocks))], dim=dim)
         shown = f" per rank of {tp}" if tp > 1 else ""
         raise ConversionError(f"{self.source}: tensor {name} has shape {local}{shown}, but the checkpoint's args "
