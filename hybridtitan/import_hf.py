@@ -1,15 +1,18 @@
-"""Hugging Face folder -> DCP step-0 that training can start from.
+"""Hugging Face folder (or Primus checkpoint) -> DCP step-0 that training can start from.
 
     python -m hybridtitan.import_hf --model hf/fla-gdn-340M --output outputs/gdn_ft/checkpoint/step-0
+    python -m hybridtitan.import_hf --model primus/output/.../checkpoints --output outputs/gdn_ft/checkpoint/step-0
     python -m hybridtitan.train --job.config_file ... --job.dump_folder outputs/gdn_ft      # starts from step-0
     (or, with any dump folder: --checkpoint.initial_load_path outputs/gdn_ft/checkpoint/step-0)
 
 Reads a Llama (LlamaForCausalLM), an FLA GatedDeltaNet/KDA checkpoint (GatedDeltaNetForCausalLM, KDAForCausalLM)
 or one of our own exports (model_type hybridtitan), checks that every tensor fits the model its config describes,
 and writes a model-only DCP checkpoint with model_args.json; the tokenizer found in the folder (or --tokenizer) is
-saved inside it under ``tokenizer/``, where export and evaluation find it. The step folder appears only once
-complete. An existing output folder that is not empty is refused; --overwrite replaces an earlier import (a
-model-only step folder), never a training checkpoint or a run's dump or checkpoint folder.
+saved inside it under ``tokenizer/``, where export and evaluation find it. A Primus (Megatron-LM) checkpoint
+folder, a run's or one ``iter_N`` in either of its formats, is read by hybridtitan.primus_checkpoint instead (the
+model only: its optimizer state does not carry over). The step folder appears only once complete. An existing
+output folder that is not empty is refused; --overwrite replaces an earlier import (a model-only step folder), never
+a training checkpoint or a run's dump or checkpoint folder.
 """
 
 from __future__ import annotations
@@ -24,10 +27,22 @@ from hybridtitan.cli import OneLineParser, fail, one_line_errors
 
 
 def import_hf(model: str, output: str, *, tokenizer: str | None = None, overwrite: bool = False) -> str:
-    """Writes the DCP step folder ``output`` from a Hugging Face folder; returns the model_type read.
-    Raises ConversionError (one line) on bad input, before writing anything."""
-    from hybridtitan.hf.convert import ConversionError, load_tokenizer, model_from_state, output_problem, read_hf_model
+    """Writes the DCP step folder ``output`` from a Hugging Face folder or a Primus checkpoint; returns the
+    model_type read (for a Primus checkpoint, a description of it). Raises ConversionError (one line) on bad input,
+    before writing anything."""
+    from hybridtitan.hf.convert import (
+        ConversionError,
+        is_hf_folder,
+        load_tokenizer,
+        model_from_state,
+        output_problem,
+        read_hf_model,
+    )
     from hybridtitan.loader import has_tokenizer
+    from hybridtitan.primus_checkpoint import import_primus, is_primus_checkpoint
+
+    if not is_hf_folder(model) and is_primus_checkpoint(model):
+        return import_primus(model, output, tokenizer=tokenizer, overwrite=overwrite)
 
     output = os.path.normpath(output)
     problem = output_problem(output, overwrite, "import")
@@ -67,9 +82,12 @@ def write_step_folder(model, output: str, tokenizer=None) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m hybridtitan.import_hf", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True,
-                   help="a Hugging Face folder: a Llama, FLA GDN/KDA or a hybridtitan export")
+                   help="a Hugging Face folder (a Llama, FLA GDN/KDA or a hybridtitan export) or a Primus "
+                        "checkpoint folder (a run's or one iter_N; the model only)")
     p.add_argument("--output", required=True, help="the step folder to write, e.g. OUT/checkpoint/step-0")
-    p.add_argument("--tokenizer", default=None, help="tokenizer to save with it (default: the model folder's)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer to save with it (default: the model folder's; for a Primus checkpoint, its "
+                        "args.tokenizer_model where it loads)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     return p
 
