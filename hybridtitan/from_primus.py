@@ -693,8 +693,8 @@ def map_training(m: Mapping) -> None:
     warmup = m.take("lr_warmup_iters") or 0
     if m.given("lr_warmup_fraction"):
         warmup = round(m.take("lr_warmup_fraction") * decay)
-    elif m.given("lr_warmup_samples") and m.exp.values["lr_warmup_samples"]:
-        warmup = m.take("lr_warmup_samples") // gbs
+    elif m.given("lr_warmup_samples"):
+        warmup = m.take("lr_warmup_samples") // gbs or warmup
     lr = float(m.take("lr"))
     m.put("training.local_batch_size", mbs)
     m.put("training.global_batch_size", gbs)
@@ -765,7 +765,7 @@ def map_data(m: Mapping) -> None:
     if m.take("mock_data"):
         m.put("data.source", "mock")
     else:
-        path = m.take("train_data_path") if m.given("train_data_path") else m.take("data_path")
+        path = m.take("train_data_path") or m.take("data_path")
         if not path:
             raise PrimusError("no training data: mock_data is false and neither data_path nor train_data_path "
                               "is set")
@@ -958,6 +958,16 @@ def compare_with_shipped(experiment: str, cfg) -> list[str]:
 # ----------------------------------------------------------------------------------------------- the command
 
 
+def map_experiment(exp: Experiment):
+    """(the Mapping, the model's ModelArgs) of an experiment."""
+    m = Mapping(exp)
+    args = map_model(m)
+    model_section(m, args)
+    map_training(m)
+    map_data(m)
+    return m, args
+
+
 def convert(experiment: str, primus: str | None = None) -> tuple[str, list[str]]:
     """(the recipe's TOML text, the report's lines) for an experiment YAML; PrimusError on bad input. The recipe
     is parsed by hybridtitan.config before it is returned."""
@@ -966,11 +976,7 @@ def convert(experiment: str, primus: str | None = None) -> tuple[str, list[str]]
     from hybridtitan.config import parse_config
 
     exp = read_experiment(experiment, primus)
-    m = Mapping(exp)
-    args = map_model(m)
-    model_section(m, args)
-    map_training(m)
-    map_data(m)
+    m, args = map_experiment(exp)
     text = render(m, experiment, [])
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "recipe.toml")
