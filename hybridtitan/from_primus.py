@@ -174,7 +174,8 @@ KEY_TABLE: dict[str, list[Row]] = {
            "`position_embedding_type: none`)", "—"),
         _r("position_embedding_type", "model-level position embedding (none here; MLA applies its own RoPE)",
            "— (none); a difference if `learned_absolute` or `rope`", True),
-        _r("add_position_embedding, use_rotary_position_embeddings", "older switches of the model-level position embedding", "—"),
+        _r("add_position_embedding, use_rotary_position_embeddings",
+           "older switches of the model-level position embedding", "—"),
     ],
     "Model: normalization, dropout and biases": [
         _r("normalization", "LayerNorm or RMSNorm for all norm layers built from config",
@@ -461,9 +462,14 @@ def read_experiment(path: str, primus: str | None = None) -> Experiment:
     merged = _merge(merged, Loaded(overrides, {k: path for k in overrides}, [], []))
     values = {k: v for k, v in merged.values.items() if k != "bases"}
     origin = {k: o for k, o in merged.origin.items() if k != "bases"}
-    for key in ("work_group", "user_name", "exp_name", "workspace"):  # the experiment's own names
-        if key in exp.values:
+    # the experiment's own keys (its names, a platform) and the module's besides its files and overrides, which
+    # Primus keeps beside the module's values
+    for key in exp.values:
+        if key != "modules" and key not in values:
             values[key], origin[key] = exp.values[key], exp.origin[key]
+    for key in module:
+        if key not in ("framework", "config", "model", "overrides") and key not in values:
+            values[key], origin[key] = module[key], path
     return Experiment(path, values, origin, exp.files + merged.files, exp.bases + merged.bases, env_used, name,
                       str(model_file))
 
@@ -555,6 +561,8 @@ def map_model(m: Mapping):
     if "-" in pattern and not m.take("swiglu"):
         m.differ("swiglu", "Primus's MLPs are GELU; hybridtitan's are SwiGLU")
     tokenizer = m.take("tokenizer_model")
+    if not isinstance(tokenizer, str) or not tokenizer:
+        raise PrimusError("tokenizer_model is not set: hybridtitan reads a Hugging Face tokenizer by its name")
     multiple = (m.take("make_vocab_size_divisible_by") or 1) * (m.exp.get("tensor_model_parallel_size") or 1)
     vocab = TOKENIZER_VOCAB.get(tokenizer)
     if vocab is None and m.given("vocab_size"):
@@ -1033,6 +1041,8 @@ def main(argv: list[str] | None = None) -> None:
         fail("give a Primus experiment YAML: python -m hybridtitan.from_primus EXP.yaml [--output R.toml]")
     if args.output and os.path.isdir(args.output):
         fail(f"--output {args.output} is a folder; give a file name (R.toml)")
+    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        fail(f"--output {args.output}: no folder {os.path.dirname(os.path.abspath(args.output))}")
     with one_line_errors():
         text, report = convert(args.experiment, args.primus)
     stream = sys.stdout if args.output else sys.stderr

@@ -242,7 +242,8 @@ modules:
 def test_other_keys(tmp_path, monkeypatch):
     """Keys the released configurations leave unset: samples, warm-up fraction, data prefixes, an explicit
     pattern with MLA, recompute, a save folder, constant decay, tensor parallelism, an unknown key."""
-    root = _checkout(tmp_path, model_extra="""hybrid_layer_pattern: "*-M-"
+    root = _checkout(tmp_path, exp_extra="platform:\n  config: platform_azure.yaml",
+                     model_extra="""hybrid_layer_pattern: "*-M-"
 multi_latent_attention: true
 num_attention_heads: 4
 q_lora_rank: 64
@@ -293,6 +294,8 @@ my_custom_knob: 3
            "known" in report
     assert "environment: PRIMUS_EXP_NAME (in " + str(root / "exp.yaml") + ")" in report
     assert "#   my_custom_knob = 3 (exp.yaml): not a key from_primus knows" in text
+    assert "not mapped: platform = {'config': 'platform_azure.yaml'} (exp.yaml): not a key from_primus knows: no " \
+           "hybridtitan equivalent known" in report  # the experiment's own keys too
     describe(cfg)
 
 
@@ -331,6 +334,10 @@ def _bad_cases(tmp):
     root = _checkout(tmp / "nomodules", exp_extra="")
     (root / "exp.yaml").write_text("exp_name: x\n")
     cases["no modules"] = ([str(root / "exp.yaml")], "no modules:")
+    root = _checkout(tmp / "extends_missing", exp_extra="extends: base_exp.yaml")
+    cases["extends a missing file"] = ([str(root / "exp.yaml")], "base_exp.yaml (extended by ")
+    root = _checkout(tmp / "no_output_folder")
+    cases["no output folder"] = ([str(root / "exp.yaml"), "--output", str(tmp / "nowhere" / "r.toml")], "no folder")
     return cases
 
 
@@ -338,7 +345,7 @@ def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, capsys):
     for name, (argv, expected) in _bad_cases(tmp_path).items():
         out = tmp_path / f"{name.replace(' ', '_')}.toml"
         with pytest.raises(SystemExit) as exc:
-            main([*argv, "--output", str(out)])
+            main([*argv, "--output", str(out)] if "--output" not in argv else argv)
         err = capsys.readouterr().err
         assert exc.value.code == 2, name
         assert err.count("\n") == 1 and err.startswith("error: ") and expected in err, (name, err)
