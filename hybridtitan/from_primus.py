@@ -252,26 +252,23 @@ MEGATRON_DEFAULTS = {
 }
 
 # The layer specs of Primus's hybrids (primus/backends/megatron/core/models/...): the mixer of their 'M'
-# sublayers, Mamba2's expand (the spec's mixer parameter; MambaMixer's default 2 where the spec sets none), and
-# what else of the spec a recipe does not reproduce.
+# sublayers, Mamba2's expand (the spec's mixer parameter; MambaMixer's default 2 where the spec sets none; None for
+# the other mixers), and what else of the spec a recipe does not reproduce.
 SPECS = {
     "hybrid_stack_spec": ("mamba2", 1, ""),
     "mamba_hybrid_stack_spec_no_te": ("mamba2", 2, "Primus's no-TE Mamba hybrid spec has no norm before its Mamba "
                                       "sublayers; hybridtitan has an RMSNorm before every sublayer"),
     "mamba_stack_spec": ("mamba2", 2, ""),
-    "gdn_hybrid_stack_spec": ("gdn", 2, ""),
-    "gdn_hybrid_stack_spec_no_te": ("gdn", 2, ""),
-    "kda_hybrid_stack_spec": ("kda", 2, ""),
-    "kda_hybrid_stack_spec_no_te": ("kda", 2, ""),
+    "gdn_hybrid_stack_spec": ("gdn", None, ""),
+    "gdn_hybrid_stack_spec_no_te": ("gdn", None, ""),
+    "kda_hybrid_stack_spec": ("kda", None, ""),
+    "kda_hybrid_stack_spec_no_te": ("kda", None, ""),
 }
 
 # Vocabulary sizes of the tokenizers Primus's hybrid configurations name (Megatron pads the tokenizer's)
 TOKENIZER_VOCAB = {"meta-llama/Llama-3.2-1B": 128256, "meta-llama/Llama-3.2-3B": 128256,
                    "meta-llama/Llama-3.1-8B": 128256, "fla-hub/gla-1.3B-100B": 32000,
                    "EleutherAI/gpt-neox-20b": 50277}
-
-# The hybridtitan model fields a flavor must share for the recipe to name it; the rest are written as overrides
-SHAPE_FIELDS = ("dim", "n_layers", "pattern", "tie_embeddings")
 
 # ----------------------------------------------------------------------------------------------- reading YAML
 
@@ -486,6 +483,8 @@ class Mapping:
         self.recipe: dict[str, dict] = {}
         self.differences: list[str] = []
         self.notes: list[str] = []
+        self.section_comments: dict[str, str] = {
+            "optimizer": "implementation: hybridtitan's choice on GPUs (Megatron's Adam is fused too)"}
 
     def take(self, key: str):
         assert key in MAPPED, f"KEY_TABLE does not mark {key} as mapped"
@@ -674,6 +673,8 @@ def model_section(m: Mapping, args) -> None:
         m.notes.append(f"model: flavor {flavor} (its pattern and sizes are the experiment's)")
         return
     m.notes.append("model: no flavor has these sizes: the pattern and every size are written out")
+    m.section_comments["model"] = ("no flavor has these sizes: the flavor is only the base that the keys below "
+                                   "replace, all of them")
     m.put("model.flavor", {"gdn": "gdn_300M", "kda": "kda_300M", "mamba2": "zebra_mamba2_300M"}[args.mixer])
     used = _used_fields(args)
     for key, value in used.items():
@@ -872,8 +873,8 @@ def render(m: Mapping, source: str, comparison: list[str]) -> str:
     for section in sections:
         out.append("")
         out.append(f"[{section}]")
-        if section == "optimizer":
-            out.append("# implementation: hybridtitan's choice on GPUs (Megatron's Adam is fused too)")
+        if section in m.section_comments:
+            out += _comment(m.section_comments[section])
         for key, value in m.recipe[section].items():
             out.append(f"{key} = {_toml_value(value)}")
     rest = unmapped(m)

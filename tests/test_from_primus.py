@@ -314,7 +314,7 @@ def test_cli_writes_a_recipe_that_describe_plans(tmp_path, capsys):
 
 
 def _bad_cases(tmp):
-    cases = {}
+    cases = {"no experiment": ([], "give a Primus experiment YAML")}
     cases["missing file"] = ([str(tmp / "nope.yaml")], "no such file: ")
     a, b = tmp / "cyc" / "a.yaml", tmp / "cyc" / "b.yaml"
     a.parent.mkdir()
