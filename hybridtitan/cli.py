@@ -1,6 +1,6 @@
 """What every command-line tool shares: one-line errors on stderr with exit code 2, and argparse that speaks so.
 
-    python -m hybridtitan.export_hf | import_hf | eval | generate | plot     (and scripts/prepare_data.py)
+    python -m hybridtitan.export_hf | import_hf | from_primus | tune | eval | generate | plot   (+ prepare_data.py)
 
 A bad argument, a missing folder or a checkpoint that does not fit is one ``error: ...`` line, never a traceback:
 the tools raise the errors of hybridtitan.errors (UserError) and their mains run inside ``one_line_errors``.

@@ -39,15 +39,16 @@ def import_hf(model: str, output: str, *, tokenizer: str | None = None, overwrit
         read_hf_model,
     )
     from hybridtitan.loader import has_tokenizer
-    from hybridtitan.primus_checkpoint import import_primus, is_primus_checkpoint
-
-    if not is_hf_folder(model) and is_primus_checkpoint(model):
-        return import_primus(model, output, tokenizer=tokenizer, overwrite=overwrite)
+    from hybridtitan.primus_checkpoint import is_primus_checkpoint, primus_model
 
     output = os.path.normpath(output)
     problem = output_problem(output, overwrite, "import")
     if problem:
         raise ConversionError(problem)
+    if not is_hf_folder(model) and is_primus_checkpoint(model):
+        net, tok, description = primus_model(model, tokenizer)
+        write_step_folder(net, output, tok)
+        return description
     args, state, model_type = read_hf_model(model)
     net = model_from_state(args, state, source=model)
     del state

@@ -683,17 +683,12 @@ def args_tokenizer(args, vocab_size: int):
         return None, f"args.tokenizer_model {name} did not load: {first_error_line(e)}"
 
 
-def import_primus(model: str, output: str, *, tokenizer: str | None = None, overwrite: bool = False) -> str:
-    """Writes the DCP step folder ``output`` (model only) from a Primus checkpoint; returns what was read.
-    ConversionError (one line) on bad input, before anything is written. The tokenizer saved inside is
-    ``tokenizer``, else the one args.tokenizer_model names where it loads, else none (said in the result)."""
-    from hybridtitan.hf.convert import load_tokenizer, model_from_state, output_problem
-    from hybridtitan.import_hf import write_step_folder
+def primus_model(model: str, tokenizer: str | None = None):
+    """(model, tokenizer or None, what was read) of a Primus checkpoint, for import_hf to write as a model-only step
+    folder. ConversionError (one line) on bad input. The tokenizer is ``tokenizer``, else the one
+    args.tokenizer_model names where it loads, else none (said in what was read)."""
+    from hybridtitan.hf.convert import load_tokenizer, model_from_state
 
-    output = os.path.normpath(output)
-    problem = output_problem(output, overwrite, "import")
-    if problem:
-        raise ConversionError(problem)
     model_args, state, description, args = read_primus_checkpoint(model)
     net = model_from_state(model_args, state, source=model)
     del state
@@ -701,5 +696,4 @@ def import_primus(model: str, output: str, *, tokenizer: str | None = None, over
         tok, why = load_tokenizer(tokenizer, model_args.vocab_size), ""
     else:
         tok, why = args_tokenizer(args, model_args.vocab_size)
-    write_step_folder(net, output, tok)
-    return description if tok is not None else f"{description}; no tokenizer saved ({why}; give --tokenizer)"
+    return net, tok, description if tok is not None else f"{description}; no tokenizer saved ({why}; give --tokenizer)"
