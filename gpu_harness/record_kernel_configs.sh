@@ -4,10 +4,11 @@
 # shapes too), then the GPU harness's checks (export_check, cp_check, gpu_check) with --kernel-configs autotune
 # --record-kernel-configs. A shape the folder holds already keeps its configuration, so a second run of this
 # script only tunes what the first did not reach. Each step is time-boxed (STEP_S, default 420 s) and the whole
-# run ends by TOTAL_S (default 540 s) from its start; a step cut short records nothing (the folder keeps every
-# step before it). Logs and a summary in $OUT (default kernel_configs_logs).
+# run ends by TOTAL_S (default 540 s) from its start; a tune step cut short records the shapes it tuned before the
+# cut, a harness step cut short records nothing. Logs and a summary in $OUT (default kernel_configs_logs).
 # Usage, from the repository's root on the GPU machine:
 #   OUT=$OUT bash gpu_harness/record_kernel_configs.sh [recipes|upcycle|harness ...]   (default: all three)
+# RECIPES="gdn_300M kda_1B" records those recipes of train_configs/ alone, in that order (default: every GPU recipe).
 set -uo pipefail
 OUT=${OUT:-kernel_configs_logs}
 mkdir -p "$OUT"
@@ -32,7 +33,7 @@ step() {  # step NAME COMMAND...: run it within min(STEP_S, what is left), log i
     return
   fi
   local t0=$SECONDS
-  timeout "$budget" "$@" > "$OUT/$name.log" 2>&1
+  timeout -k 30 "$budget" "$@" > "$OUT/$name.log" 2>&1
   local code=$?
   echo "exit $code  $name  $((SECONDS - t0)) s  $(grep -E '^hybridtitan.tune:|^recorded|^error' "$OUT/$name.log" \
     | tail -1)" | tee -a "$OUT/summary.txt"
@@ -42,8 +43,8 @@ tune() { step "$1" python -m hybridtitan.tune --job.config_file "train_configs/$
 if [[ $parts == *recipes* ]]; then
   # the 300M shapes first (the seed Triton cache holds their kernels), then the larger ones; a model of one
   # sublayer of each kind has every shape of the whole model in a fraction of the memory (8B fits one GPU)
-  for recipe in gdn_300M kda_300M zebra_gdn_300M zebra_mamba2_300M mamba_370M gdn_1B gdn_1B_10B gdn_1B_8k kda_1B \
-                zebra_kda_1B zebra_llama_1B zebra_llama_3B zebra_llama_8B; do
+  for recipe in ${RECIPES:-gdn_300M kda_300M zebra_gdn_300M zebra_mamba2_300M mamba_370M gdn_1B gdn_1B_10B gdn_1B_8k \
+                kda_1B zebra_kda_1B zebra_llama_1B zebra_llama_3B zebra_llama_8B}; do
     tune "$recipe" --decode --one-of-each
   done
 fi

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -134,22 +135,41 @@ def main(argv: list[str] | None = None) -> None:
 
         started = time.perf_counter()
         trainer = Trainer(cfg, plan)
+        # a time box (SIGTERM) ends the run, not the recording: the shapes tuned so far are kept
+        signal.signal(signal.SIGTERM, _stop)
+        stopped = False
         try:
             trainer.train()
             if own.decode:
                 run_decoding(plan.model_args, device)
+        except Stopped:
+            stopped = True
         finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             trainer.close(True)
     seconds = time.perf_counter() - started
     recorded = {"recipe": recipe.job.config_file, "argv": recipe_argv, "decode": own.decode,
                 "pattern": plan.model_args.pattern,
                 "local_batch_size": cfg.training.local_batch_size, "seq_len": cfg.training.seq_len,
-                "document_boundaries": cfg.data.document_boundaries, "seconds": round(seconds, 1)}
+                "document_boundaries": cfg.data.document_boundaries, "seconds": round(seconds, 1),
+                "complete": not stopped}
     with one_line_errors():
         written = kernel_configs.save_choices(output, gpu, recorded)
     print(f"hybridtitan.tune: {recipe.job.config_file} on {gpu['name']} in {seconds:.0f} s: {len(written)} kernels, "
-          f"{sum(written.values())} recorded shapes in {output}; use it with --training.kernel_configs {output}"
-          + (" (or shipped: it is the package's folder for this GPU)" if own.output is None else ""))
+          f"{sum(written.values())} recorded shapes in {output}"
+          + ("; stopped (SIGTERM) before the end: run it again to tune the rest" if stopped else
+             f"; use it with --training.kernel_configs {output}"
+             + (" (or shipped: it is the package's folder for this GPU)" if own.output is None else "")))
+    if stopped:
+        sys.exit(1)
+
+
+class Stopped(Exception):
+    """SIGTERM arrived (a time box): stop the run and record what was tuned."""
+
+
+def _stop(signum, frame):
+    raise Stopped()
 
 
 if __name__ == "__main__":
