@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# the recipe's model and shapes without its data (tuning runs on mock tokens)
+RECIPE_ONLY = ["--data.source", "mock", "--validation.enable", "false"]
+
+
 # what tuning changes of the recipe: the step alone, in this process, autotuning every kernel
 def tuning_overrides(steps: int, dump_folder: str, local_batch_size: int) -> list[str]:
     settings = {"data.source": "mock", "training.steps": steps, "training.kernel_configs": "autotune",
@@ -115,12 +119,13 @@ def main(argv: list[str] | None = None) -> None:
         elif os.path.exists(output) and os.listdir(output):
             raise kernel_configs.KernelConfigError(f"--output {output}: a folder that is not one of kernel "
                                                    "configurations (it holds files and no record.json)")
-        recipe = parse_config(recipe_argv)
+        # the recipe read as tuning runs it (mock tokens), so that its data need not be on this machine
+        recipe = parse_config(recipe_argv + RECIPE_ONLY)
         if own.one_of_each:  # every sublayer of a kind has the same shapes, so the kernels meet the same keys
             from hybridtitan.config import model_args
 
             recipe_argv = recipe_argv + ["--model.pattern", "".join(dict.fromkeys(model_args(recipe).pattern))]
-            recipe = parse_config(recipe_argv)
+            recipe = parse_config(recipe_argv + RECIPE_ONLY)
     with tempfile.TemporaryDirectory(prefix="hybridtitan-tune-") as dump:
         with one_line_errors():
             cfg = parse_config(recipe_argv + tuning_overrides(own.steps, dump, recipe.training.local_batch_size))
