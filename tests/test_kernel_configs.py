@@ -155,6 +155,10 @@ def test_autotuned_here_names_the_kernels_without_a_recorded_shape(tmp_path):
         with record_triton_kernels(dry_run="sm_90", keep_candidates=True) as rec:
             doubled.launch(1024)
         assert len(rec.kernels) == 2  # both candidates: it autotuned
+        # a dead weakref.proxy among the process' objects (torch leaves some) is passed over, not dereferenced
+        import weakref
+        class Gone: pass
+        gone = Gone(); dead = weakref.proxy(gone); del gone
         assert kc.autotuned_here(choice) == ["doubled_kernel (doubled)"], kc.autotuned_here(choice)
     ''', tmp_path)
 

@@ -288,7 +288,8 @@ def autotuners() -> list:
     """Every Triton Autotuner of this process (FLA's kernels and ours), in a stable order."""
     from triton.runtime.autotuner import Autotuner
 
-    found = [o for o in gc.get_objects() if isinstance(o, Autotuner)]
+    # type(), not isinstance(): isinstance on a dead weakref.proxy among gc's objects raises ReferenceError
+    found = [o for o in gc.get_objects() if issubclass(type(o), Autotuner)]
     return sorted(found, key=lambda a: (kernel_name(a), a.base_fn.__module__))
 
 
