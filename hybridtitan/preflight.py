@@ -5,7 +5,8 @@
 It works out the data-parallel and context-parallel layout, the gradient accumulation, the model, the tokenizer
 and the data loader, and chooses the checkpoint the run starts from, once: the run's own latest complete step (or
 ``checkpoint.load_step``), else ``checkpoint.initial_load_path``, else none. That checkpoint must exist, hold this
-model and fit this run's data loader; a rewind that a later resume would undo is refused.
+model (hybridtitan.model_folder), fit this run's data loader and match its run record (hybridtitan.run_record: the
+tokenizer and data it was trained with); a rewind that a later resume would undo is refused.
 """
 
 from __future__ import annotations

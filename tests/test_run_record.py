@@ -8,8 +8,8 @@ import json
 import shutil
 
 import pytest
-from helpers import ROOT, fake_step
 
+from helpers import ROOT, fake_step
 from hybridtitan.data import Data, build_tokenizer
 from hybridtitan.errors import CheckpointError, ConfigError, ConversionError
 from hybridtitan.model_folder import DCP, HF, read_folder
