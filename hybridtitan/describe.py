@@ -74,10 +74,10 @@ def teacher_estimate(cfg, args, tokens: int, param_bytes: int) -> dict:
     if not d.teacher:
         return {}
     from hybridtitan.distill import Teacher, training_flops_per_token
-    from hybridtitan.loader import read_model_args
+    from hybridtitan.model_folder import read_folder
 
     try:
-        t = read_model_args(d.teacher)
+        t = read_folder(d.teacher).args
     except Exception as e:  # noqa: BLE001 -- a folder not here (describe plans a run elsewhere): said, not fatal
         return {"assumes": f"; the teacher {d.teacher} is left out (it cannot be read here: {e})"}
     shard = max(cfg.parallelism.data_parallel_shard_degree, 1)

@@ -60,11 +60,11 @@ def check_teacher(cfg, student: ModelArgs, tokenizer) -> Teacher | None:
     # imported here: the Hugging Face side (a second of start-up) only where a teacher is read
     from hybridtitan.checkpoint import CheckpointError
     from hybridtitan.hf.convert import load_tokenizer
-    from hybridtitan.loader import read_model_args, tokenizer_path
+    from hybridtitan.model_folder import read_folder
 
     try:
-        args = read_model_args(d.teacher)
-        teacher_tokenizer = tokenizer_path(d.teacher)
+        held = read_folder(d.teacher)
+        args, teacher_tokenizer = held.args, held.tokenizer
         teacher_tok = load_tokenizer(teacher_tokenizer) if teacher_tokenizer else None
     except (CheckpointError, ConversionError) as e:
         raise ConfigError(f"distill.teacher: {e}") from None

@@ -47,11 +47,10 @@ def export(checkpoint: str, output: str, *, step: int | None = None, dtype: str 
     or "hybridtitan"). Raises CheckpointError / ConversionError (one line) on bad input, before writing anything."""
     import torch
 
-    from hybridtitan.checkpoint import load_model_args, read_dcp_model_state, resolve_checkpoint
+    from hybridtitan.checkpoint import read_dcp_model_state
     from hybridtitan.hf.convert import (
         DEFAULT_MAX_SHARD_SIZE,
         ConversionError,
-        checkpoint_tokenizer,
         fla_config,
         fla_layout_problem,
         load_tokenizer,
@@ -61,6 +60,7 @@ def export(checkpoint: str, output: str, *, step: int | None = None, dtype: str 
         write_safetensors,
     )
     from hybridtitan.hf.llama import llama_config, llama_layout_problem, to_llama_key
+    from hybridtitan.model_folder import DCP, read_folder
 
     output = os.path.normpath(output)
     problem = output_problem(output, overwrite, "export")
@@ -70,18 +70,17 @@ def export(checkpoint: str, output: str, *, step: int | None = None, dtype: str 
         raise ConversionError(f"--dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
     if format not in FORMATS:
         raise ConversionError(f"--format must be one of {', '.join(FORMATS)} (got {format!r})")
-    step_dir = resolve_checkpoint(checkpoint, step)  # (an --output holding it is refused above: not an export)
-    args = load_model_args(step_dir)  # CheckpointError naming the file if it cannot be read
+    held = read_folder(checkpoint, step)  # (an --output holding it is refused above: not an export)
+    if held.kind != DCP:
+        raise ConversionError(f"{checkpoint} is a Hugging Face folder already; export reads a DCP checkpoint")
+    step_dir, args = held.path, held.args
     problems = {"llama": llama_layout_problem(args), "fla": fla_layout_problem(args)}
     if problems.get(format):
         raise ConversionError(f"--format {format}: {problems[format]}")
     layout = format if format != "auto" else next((name for name, problem in problems.items() if problem is None),
                                                   "hybridtitan")
 
-    tok_path = tokenizer or checkpoint_tokenizer(step_dir)
-    if not tok_path:
-        raise ConversionError(f"{step_dir} names no tokenizer (no job_config.json); pass --tokenizer")
-    tok = load_tokenizer(tok_path, args.vocab_size)
+    tok = load_tokenizer(held.tokenizer_or(tokenizer), args.vocab_size)
     state = read_dcp_model_state(step_dir, args)
 
     torch_dtype = getattr(torch, dtype)

@@ -38,7 +38,7 @@ def import_hf(model: str, output: str, *, tokenizer: str | None = None, overwrit
         output_problem,
         read_hf_model,
     )
-    from hybridtitan.loader import has_tokenizer
+    from hybridtitan.model_folder import has_tokenizer
     from hybridtitan.primus_checkpoint import is_primus_checkpoint, primus_model
 
     output = os.path.normpath(output)
@@ -64,6 +64,7 @@ def write_step_folder(model, output: str, tokenizer=None) -> None:
     (written beside it under another name, then moved into place)."""
     from hybridtitan.checkpoint import save_model_checkpoint
     from hybridtitan.hf.convert import publish_folder
+    from hybridtitan.model_folder import TOKENIZER_FOLDER
 
     parent = os.path.dirname(os.path.abspath(output))
     os.makedirs(parent, exist_ok=True)
@@ -72,7 +73,7 @@ def write_step_folder(model, output: str, tokenizer=None) -> None:
     try:
         save_model_checkpoint(model, tmp)
         if tokenizer is not None:
-            tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
+            tokenizer.save_pretrained(os.path.join(tmp, TOKENIZER_FOLDER))
         publish_folder(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -5,7 +5,8 @@
 It works out the data-parallel and context-parallel layout, the gradient accumulation, the model, the tokenizer
 and the data loader, and chooses the checkpoint the run starts from, once: the run's own latest complete step (or
 ``checkpoint.load_step``), else ``checkpoint.initial_load_path``, else none. That checkpoint must exist, hold this
-model and fit this run's data loader; a rewind that a later resume would undo is refused.
+model (hybridtitan.model_folder), fit this run's data loader and match its run record (hybridtitan.run_record: the
+tokenizer and data it was trained with); a rewind that a later resume would undo is refused.
 """
 
 from __future__ import annotations
@@ -16,22 +17,15 @@ from typing import Any
 
 import torch
 
-from hybridtitan.checkpoint import (
-    CheckpointError,
-    complete_steps,
-    is_model_only,
-    load_model_args,
-    read_job_config,
-    resolve_checkpoint,
-)
+from hybridtitan import run_record
+from hybridtitan.checkpoint import CheckpointError, complete_steps, is_model_only, read_job_config, resolve_checkpoint
 from hybridtitan.config import ConfigError, compiles, context_parallel_layout, held_out_data, model_args
 from hybridtitan.data import HeldOut, build_dataloader, build_tokenizer
-from hybridtitan.data.config import local_data_files, looks_local, megatron_prefixes, resolve_path
 from hybridtitan.data.manifest import check_shards
 from hybridtitan.data.sources import summarize
 from hybridtitan.data.tokenizer import vocabulary_fingerprint
 from hybridtitan.distill import Teacher, check_teacher
-from hybridtitan.errors import first_error_line
+from hybridtitan.errors import ConversionError, first_error_line
 from hybridtitan.float8 import CONVERTER as FLOAT8
 from hybridtitan.float8 import (
     Float8Conversion,
@@ -41,6 +35,7 @@ from hybridtitan.float8 import (
     plan_float8,
 )
 from hybridtitan.lr_schedule import SCHEDULE_KEYS, schedule_shape
+from hybridtitan.model_folder import read_folder
 from hybridtitan.models import ModelArgs, build_model
 from hybridtitan.ops import kernel_configs
 from hybridtitan.parallel import DataParallel, resolve_data_parallel
@@ -155,7 +150,7 @@ def preflight(cfg) -> Plan:
     if start is not None:
         check_start(cfg, start, args)
         if tokenizer is not None and not cfg.checkpoint.allow_tokenizer_change:
-            check_start_tokenizer(cfg, start, tokenizer)
+            run_record.check_tokenizer(start.step_dir, cfg.data, tokenizer)
     lr_scheduler, kept = schedule_in_force(cfg, start)
     warnings += [kept] if kept else []
     return Plan(device, world_size, dp, global_batch // per_step, args, tokenizer, dataloader, seed, start,
@@ -250,24 +245,14 @@ def schedule_in_force(cfg, start: StartPoint | None) -> tuple[Any, str | None]:
             f"lr_scheduler: {changed}: the checkpoint's schedule goes on, held past its end {NEW_SCHEDULE}")
 
 
-def data_files(data) -> list[str]:
-    """The files a [data] section reads (Megatron prefixes, or local files of the hf source), absolute; [] for a
-    hub dataset or mock data."""
-    if data.source == "megatron":
-        return [os.path.abspath(p) for p in megatron_prefixes(data.path)]
-    if data.source == "hf" and data.path and looks_local(data.path) and not os.path.isdir(resolve_path(data.path)):
-        return [os.path.abspath(p) for p in local_data_files(data.path)]
-    return []
-
-
 def check_data_files(cfg, tokenizer) -> list[str]:
     """The training and held-out data against what prepared them, before anything is written: no training file
     that is also held out (a glob that takes in the validation shards), and Megatron shards checked against their
     manifests (data.manifest.check_shards). ValueError (one line); returns the warnings to log."""
-    training = data_files(cfg.data)
+    training = run_record.data_files(cfg.data)
     warnings = []
     if cfg.validation.enable:
-        held = data_files(held_out_data(cfg))
+        held = run_record.data_files(held_out_data(cfg))
         both = sorted(set(training) & set(held))
         if both:
             raise ValueError(f"data.path {cfg.data.path} also takes in the held-out {both[0]}, which "
@@ -372,11 +357,11 @@ def _start_in(cfg, folder: str, steps: list[int]) -> StartPoint | None:
 
 
 def check_start(cfg, start: StartPoint, args: ModelArgs) -> None:
-    """The starting checkpoint holds this model, and its data loader state fits this run's loader."""
+    """The starting checkpoint holds this model, and its data loader state fits this run's loader and data."""
     try:
-        saved = load_model_args(start.step_dir)
-    except CheckpointError as e:  # load_model_args turns every read or parse failure into one
-        raise ConfigError(f"{start.step_dir} is not a hybridtitan checkpoint: {first_error_line(e)}") from None
+        saved = read_folder(start.step_dir).args
+    except (CheckpointError, ConversionError) as e:  # every read or parse failure of the folder, naming the file
+        raise ConfigError(f"cannot start from {start.step_dir}: {first_error_line(e)}") from None
     if saved != args:
         diff = [f.name for f in dataclasses.fields(args) if getattr(saved, f.name) != getattr(args, f.name)]
         raise ConfigError(f"{start.step_dir} holds a different model than the recipe (differs in: model."
@@ -388,56 +373,7 @@ def check_start(cfg, start: StartPoint, args: ModelArgs) -> None:
         for _, was, now in changed_settings(cfg, start.step_dir, ("data.num_workers",)):
             raise ConfigError(f"cannot resume from {start.step_dir}: {OTHER_WORKERS}: the checkpoint's "
                               f"data.num_workers is {was}, this run's {now}")
-        check_start_data(cfg, start)
-
-
-def data_identity(data) -> list:
-    """What a [data] section reads, as a resume compares it: each file's name and size (a Megatron shard's .bin),
-    else the source and path (a hub dataset, mock data). A moved folder of the same files is the same data."""
-    files = data_files(data)
-    if not files:
-        return [data.source, data.path]
-    return [[os.path.basename(f), os.path.getsize(f + ".bin" if data.source == "megatron" else f)] for f in files]
-
-
-def check_start_data(cfg, start: StartPoint) -> None:
-    """A resume that loads the data loader's position reads the data that position was taken in: with other files
-    it would index other documents, silently. Refused unless the loader's state is left out (the new data then
-    starts at its beginning); a checkpoint saved without a record of its data is not compared."""
-    try:
-        saved = read_job_config(start.step_dir).get("data_identity")
-    except (OSError, ValueError, AttributeError):
-        saved = None
-    if saved is None:
-        return
-    now = data_identity(cfg.data)
-    if saved != now:
-        def show(identity):
-            names = [f[0] if isinstance(f, list) else str(f) for f in identity]
-            return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        raise ConfigError(f"cannot resume from {start.step_dir}: data.path reads other data than the run it continues "
-                          f"({show(saved)} then, {show(now)} now), so the loader's saved position would index other "
-                          "documents; to train on the new data from its beginning, say so: "
-                          "--checkpoint.exclude_from_loading dataloader")
-
-
-def check_start_tokenizer(cfg, start: StartPoint, tokenizer) -> None:
-    """The starting checkpoint was trained with (or imported with) a tokenizer of data.tokenizer's vocabulary:
-    its job config's fingerprint, else the tokenizer folder saved inside it; nothing to compare with, no check."""
-    try:
-        saved = read_job_config(start.step_dir).get("tokenizer_fingerprint")
-    except (OSError, ValueError, AttributeError):
-        saved = None
-    inside = os.path.join(start.step_dir, "tokenizer")
-    if saved is None and os.path.isdir(inside):
-        try:
-            saved = vocabulary_fingerprint(build_tokenizer(inside))
-        except ValueError:
-            saved = None
-    if saved is not None and saved != vocabulary_fingerprint(tokenizer):
-        raise ConfigError(f"{start.step_dir} was trained with another tokenizer than data.tokenizer "
-                          f"({cfg.data.tokenizer}): the same ids would mean other tokens (checkpoint.allow_tokenizer_"
-                          "change = true starts from it all the same)")
+        run_record.check_data(start.step_dir, cfg.data)
 
 
 def changed_settings(cfg, step_dir: str, keys: tuple[str, ...]) -> list[tuple[str, object, object]]:

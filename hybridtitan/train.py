@@ -36,13 +36,12 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from hybridtitan import ops
+from hybridtitan import ops, run_record
 from hybridtitan.checkpoint import CheckpointManager
 from hybridtitan.cli import fail, one_line_errors
 from hybridtitan.config import TRAIN_USAGE, compiles, parse_config, selective_ac_interval, to_dict
 from hybridtitan.data.config import recorded_path
 from hybridtitan.data.loader import IGNORE_INDEX
-from hybridtitan.data.tokenizer import vocabulary_fingerprint
 from hybridtitan.distill import Distiller, training_flops_per_token
 from hybridtitan.errors import DataError, ResumeError, first_error_line
 from hybridtitan.float8 import Float8Conversion, apply_float8, precompute_float8_scales
@@ -54,7 +53,7 @@ from hybridtitan.ops import kernel_configs
 from hybridtitan.ops.context_parallel import context_parallel_group, shard_batch
 from hybridtitan.optim import build_optimizer, clip_grad_norm_
 from hybridtitan.parallel import build_mesh, parallelize
-from hybridtitan.preflight import Plan, data_identity, preflight
+from hybridtitan.preflight import Plan, preflight
 from hybridtitan.resume import resume
 
 logger = logging.getLogger("hybridtitan")
@@ -265,9 +264,7 @@ class Trainer:
         self.job_dict = to_dict(cfg)
         self.job_dict["data"]["tokenizer"] = recorded_path(cfg.data.tokenizer)  # export/eval may run elsewhere
         self.job_dict["lr_scheduler"] = dataclasses.asdict(plan.lr_scheduler)  # the schedule in force
-        if plan.tokenizer is not None:  # what a resume compares its data.tokenizer with
-            self.job_dict["tokenizer_fingerprint"] = vocabulary_fingerprint(plan.tokenizer)
-        self.job_dict["data_identity"] = data_identity(cfg.data)  # what a resume compares its data with
+        self.job_dict.update(run_record.record(cfg.data, plan.tokenizer))  # the run record a resume compares
         c = cfg.checkpoint
         self.checkpointer = CheckpointManager(
             os.path.join(cfg.job.dump_folder, c.folder), model=self.model, optimizer=self.optimizer,

@@ -302,7 +302,8 @@ def upcycle(model: str, output: str, *, mixer: str = "mamba2", attention_layers:
     student's ModelArgs and the report. ConversionError / CheckpointError (one line) before anything is written."""
     from hybridtitan.hf.convert import load_tokenizer, output_problem
     from hybridtitan.import_hf import write_step_folder
-    from hybridtitan.loader import read_model, tokenizer_path
+    from hybridtitan.loader import read_model
+    from hybridtitan.model_folder import read_folder
     from hybridtitan.models import build_model
 
     output = os.path.normpath(output)
@@ -315,7 +316,7 @@ def upcycle(model: str, output: str, *, mixer: str = "mamba2", attention_layers:
                               f"pattern is {llama.pattern!r}")
     layers = parse_layers(attention_layers, llama.n_layers // 2)
     args = student_args(llama, layers, mixer, **ranks)
-    tok_path = tokenizer or tokenizer_path(model)
+    tok_path = tokenizer or read_folder(model).tokenizer
     tok = load_tokenizer(tok_path, args.vocab_size) if tok_path else None
     trained_attention = read_student(attention_from, args, "--attention-from") if attention_from else None
     trained_mixers = read_student(mixers_from, args, "--mixers-from") if mixers_from else None
@@ -434,7 +435,8 @@ def select_main(argv: list[str]) -> None:
     a = build_select_parser().parse_args(argv)
     from hybridtitan.data import Data, HeldOut, build_tokenizer
     from hybridtitan.data.config import validate_data_config
-    from hybridtitan.loader import read_model, tokenizer_path
+    from hybridtitan.loader import read_model
+    from hybridtitan.model_folder import read_folder
     from hybridtitan.models import build_model
 
     if a.count < 1 or a.batches < 1 or a.batch_size < 1 or a.seq_len < 2:
@@ -459,8 +461,9 @@ def select_main(argv: list[str]) -> None:
             fresh = build_model(dataclasses.replace(reference, pattern="*-" * (reference.n_layers // 2)), "cpu")
             fresh.init_weights()
             attention_state, _ = upcycle_state(llama, llama_state, fresh.args, fresh.state_dict())
-        tok = build_tokenizer(a.tokenizer or tokenizer_path(a.teacher))
-        data = Data(path=a.data, tokenizer=a.tokenizer or tokenizer_path(a.teacher) or "", shuffle=False,
+        tok_path = a.tokenizer or read_folder(a.teacher).tokenizer
+        tok = build_tokenizer(tok_path)
+        data = Data(path=a.data, tokenizer=tok_path or "", shuffle=False,
                     source=a.source or ("hf" if os.path.splitext(a.data)[1] in (".json", ".jsonl", ".txt", ".parquet")
                                         or os.path.isdir(a.data) else "megatron"))
         validate_data_config(data)

@@ -473,15 +473,15 @@ def test_fla_layout_loads_in_fla(flavor, trained, exports):
 def test_import_fla_to_dcp_step0_and_train_from_it(trained, exports, tmp_path):
     """import_hf (CLI) turns an FLA export into a DCP step-0 with the same logits, and training starts from it."""
     from hybridtitan.checkpoint import load_model
-    from hybridtitan.hf.convert import checkpoint_tokenizer
     from hybridtitan.import_hf import import_hf
+    from hybridtitan.model_folder import read_folder
 
     step0 = tmp_path / "gdn" / "checkpoint" / "step-0"
     p = run_cli("hybridtitan.import_hf", "--model", str(exports["debug_gdn", "fla"]), "--output", str(step0))
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
     assert (step0 / ".metadata").is_file() and (step0 / "tokenizer" / "tokenizer.json").is_file()
-    assert checkpoint_tokenizer(str(step0)) == str(step0 / "tokenizer")  # where export and eval find it
+    assert read_folder(str(step0)).tokenizer == str(step0 / "tokenizer")  # where export and eval find it
     x = tokens((2, 16))
     with torch.no_grad():
         torch.testing.assert_close(load_model(str(step0))[0](x), ours(trained["debug_gdn"])(x), atol=1e-5, rtol=0)

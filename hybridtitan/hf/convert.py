@@ -19,7 +19,7 @@ Three layouts are written and read:
   are exactly the keys of a DCP checkpoint.
 
 Every failure a person can cause (a missing or foreign folder, a config FLA's layout cannot express) raises
-ConversionError or CheckpointError with one line that says what is wrong.
+ConversionError with one line that says what is wrong.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import shutil
 
 import torch
 
-from hybridtitan.checkpoint import CheckpointError, model_args_from_dict
+from hybridtitan.checkpoint import model_args_from_dict
 from hybridtitan.errors import ConversionError, first_error_line
 from hybridtitan.models import GDNArgs, HybridLM, KDAArgs, ModelArgs, build_model
 
@@ -327,24 +327,6 @@ def read_hf_model(folder: str) -> tuple[ModelArgs, dict[str, torch.Tensor], str]
                 continue  # a tied copy of the embedding
             state[ours] = t
     return args, state, model_type
-
-
-def checkpoint_tokenizer(step_dir: str) -> str | None:
-    """The tokenizer a DCP step folder was trained with: its job_config.json's data.tokenizer (a path inside the
-    package resolved as the trainer does), else a ``tokenizer`` folder saved inside it (import_hf writes one)."""
-    from hybridtitan.checkpoint import JOB_CONFIG_FILE, read_job_config
-    from hybridtitan.data.config import resolve_path
-
-    path = os.path.join(step_dir, JOB_CONFIG_FILE)
-    if os.path.isfile(path):
-        try:
-            tok = (read_job_config(step_dir).get("data") or {}).get("tokenizer")
-        except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"cannot read {path}: {first_error_line(e)}") from None
-        if tok:
-            return resolve_path(tok)
-    inside = os.path.join(step_dir, "tokenizer")
-    return inside if os.path.isdir(inside) else None
 
 
 def load_tokenizer(path: str, vocab_size: int | None = None):
