@@ -169,8 +169,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
 
 
-class Stopped(Exception):
-    """SIGTERM arrived (a time box): stop the run and record what was tuned."""
+class Stopped(BaseException):
+    """SIGTERM arrived (a time box): stop the run and record what was tuned. A BaseException, as KeyboardInterrupt,
+    so that no `except Exception` of a kernel's autotuning loop swallows it."""
 
 
 def _stop(signum, frame):

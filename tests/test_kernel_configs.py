@@ -9,6 +9,7 @@ configurations a kernel would compile."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import textwrap
@@ -293,3 +294,13 @@ def test_shipped_folders_are_well_formed():
     for folder in sorted(p for p in kc.SHIPPED.iterdir() if p.is_dir()):
         record = kc.read_folder(str(folder)).record
         assert record["gpu"]["dir"] == folder.name, folder
+
+
+def test_a_time_box_is_not_swallowed_by_an_except_exception():
+    from hybridtitan import tune
+
+    with pytest.raises(tune.Stopped):
+        try:  # as a kernel's autotuning loop that passes over a config that failed
+            tune._stop(signal.SIGTERM, None)
+        except Exception:
+            pass
