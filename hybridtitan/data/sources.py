@@ -5,8 +5,10 @@ Random-access sources (a Hugging Face map-style dataset, Megatron .bin/.idx file
 ordering rule, in `ShardedDocuments`: epoch e visits the documents in the order of a permutation seeded by
 (seed, e) (the identity without shuffle), and shard s of n takes positions s, s + n, s + 2n, ... of it. The
 permutation depends on neither the shard nor the number of shards, which is what lets a checkpoint move to a
-different data-parallel size (see `ShardedDocuments.load_state_dict`). A streaming Hugging Face dataset has no
-random access: `StreamingDocuments` follows the stream and checkpoints it with datasets' own state_dict.
+different data-parallel size (see `ShardedDocuments.load_state_dict`). data.document_slice narrows the source
+first (`SlicedSource`: a fraction of one permutation seeded by document_slice_seed), so the shards split the slice.
+A streaming Hugging Face dataset has no random access: `StreamingDocuments` follows the stream and checkpoints it
+with datasets' own state_dict.
 """
 
 from __future__ import annotations
@@ -108,6 +110,50 @@ class MockSource:
         return out
 
 
+def slice_bounds(num_documents: int, document_slice) -> tuple[int, int]:
+    """The positions [lo, hi) of the permutation that data.document_slice [start, end) keeps of ``num_documents``:
+    round(start * n) and round(end * n), so that slices that meet ([0, 0.2] and [0.2, 1]) share their bound and
+    neither lose nor repeat a document."""
+    start, end = document_slice
+    return round(start * num_documents), round(end * num_documents)
+
+
+class SlicedSource:
+    """The documents of a random-access source that data.document_slice keeps: positions [lo, hi) of one
+    permutation of all of them, seeded by data.document_slice_seed alone (not the training seed, not the shard),
+    so that every stage reading the data takes its fraction of the same order and every rank sees the same
+    slice; the kept documents in the source's order (the loader shuffles them as it would the whole). A source
+    already in random order (mock) keeps the positions themselves: its documents are independent draws."""
+
+    def __init__(self, source, document_slice, seed: int):
+        self.source = source
+        self.random_order = source.random_order
+        n = len(source)
+        lo, hi = slice_bounds(n, document_slice)
+        if hi <= lo:
+            raise DataError(f"data.document_slice {list(document_slice)} holds no document of the "
+                            f"{n} documents of data.path")
+        if source.random_order:
+            self.offset, self.indices = lo, None
+            self.length = hi - lo
+        else:
+            dtype = np.int32 if n < 2**31 else np.int64
+            self.indices = np.sort(np.random.default_rng(seed).permutation(n)[lo:hi]).astype(dtype)
+            self.offset, self.length = 0, hi - lo
+        start, end = (float(b) for b in document_slice)
+        self.fingerprint = f"{source.fingerprint}:slice:{start}:{end}:{seed}"
+
+    def __len__(self) -> int:
+        return self.length
+
+    def source_index(self, i: int) -> int:
+        """The source's index of this slice's document i."""
+        return self.offset + int(i) if self.indices is None else int(self.indices[int(i)])
+
+    def documents(self, indices) -> list[np.ndarray]:
+        return self.source.documents([self.source_index(i) for i in indices])
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Cursors over a source, for one data-parallel shard
 
@@ -121,7 +167,8 @@ class ShardedDocuments:
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} is outside 0..{num_shards - 1}")
         if len(source) < num_shards:
-            raise ValueError(f"data: the dataset has {len(source)} documents, fewer than the {num_shards} "
+            what = "data.document_slice keeps" if isinstance(source, SlicedSource) else "the dataset has"
+            raise ValueError(f"data: {what} {len(source)} documents, fewer than the {num_shards} "
                              "data-parallel ranks (x workers) reading it")
         self.source, self.shard, self.num_shards, self.seed, self.shuffle = source, shard, num_shards, seed, shuffle
         self.epoch, self.pos = 0, 0
@@ -309,6 +356,8 @@ def build_documents(cfg: Data, tokenizer, *, shard: int, num_shards: int, seed: 
         source = HFSource(ds, tokenizer, cfg.text_field)
     else:
         raise ValueError(f"data.source must be one of hf, megatron, mock (got {cfg.source!r})")
+    if cfg.sliced():  # before the split over ranks and workers: the same documents on any number of them
+        source = SlicedSource(source, cfg.document_slice, cfg.document_slice_seed)
     return ShardedDocuments(source, shard=shard, num_shards=num_shards, seed=seed, shuffle=cfg.shuffle)
 
 
