@@ -388,6 +388,36 @@ def test_a_slice_without_documents_is_refused(tok, corpus, megatron_prefix):
         loader_for("hf-stream", tok, corpus, megatron_prefix, document_slice=[0.0, 0.2])
 
 
+def test_a_resume_with_another_slice_is_refused(tmp_path, tok, corpus, megatron_prefix):
+    """The run record's data_identity names the slice: a resume that would load the loader's position into
+    another slice (or the whole, or another seed) of the same files is refused in one line, as other files are;
+    the same slice passes, and a run without a slice records what it recorded before."""
+    from helpers import fake_step
+    from hybridtitan.errors import ConfigError
+    from hybridtitan.run_record import check_data, data_identity, record
+
+    whole = slice_cfg("megatron", corpus, megatron_prefix)
+    first = dataclasses.replace(whole, document_slice=[0, 0.2])
+    assert data_identity(first) == data_identity(whole) + [["document_slice", 0.0, 0.2, 42]]
+    assert all(entry[0] != "document_slice" for entry in data_identity(whole))
+    fake_step(tmp_path / "run", 4, "debug_hybrid")
+    step = tmp_path / "run" / "checkpoint" / "step-4"
+    (step / "job_config.json").write_text(json.dumps({"data": {}, **record(first, None)}))
+    check_data(str(step), dataclasses.replace(whole, document_slice=[0.0, 0.2]))  # the same slice, as floats
+    for other, now in ((dataclasses.replace(whole, document_slice=[0.2, 1.0]), "[0.2, 1.0) seed 42 now"),
+                       (whole, "all of it now"),
+                       (dataclasses.replace(first, document_slice_seed=7), "[0.0, 0.2) seed 7 now")):
+        with pytest.raises(ConfigError) as e:
+            check_data(str(step), other)
+        assert "\n" not in str(e.value)
+        assert str(e.value).startswith(f"cannot resume from {step}: data.document_slice takes other documents of "
+                                       f"the data than the run it continues ([0.0, 0.2) seed 42 then, {now})")
+        assert str(e.value).endswith("--checkpoint.exclude_from_loading dataloader")
+    # other files with the same slice: the files' message
+    with pytest.raises(ConfigError, match="data.path reads other data than the run it continues"):
+        check_data(str(step), dataclasses.replace(first, source="hf", path=corpus["train"]))
+
+
 # ------------------------------------------------------------------------------------------------ exact resume
 
 
