@@ -229,3 +229,20 @@ def test_config_reference_is_current():
     for key in ("training.eod_mask_loss", "validation.data.path", "eval.tasks", "model.mla.kv_lora_rank",
                 "comm.train_timeout_seconds"):
         assert key in known_keys() and f"| `{key}` |" in page, key
+
+def test_upcycling_stages_read_disjoint_slices():
+    """The stage-1 recipes read [0.0, 0.2) of the data, the stage-2 ones [0.2, 1.0) of the same data in the same
+    order (one path, one document_slice_seed): AMD's split of its SFT data, no document read by both stages."""
+    from hybridtitan.config import parse_config
+
+    folder = ROOT / "train_configs" / "upcycle"
+    stage1 = ("zebra_llama_1B_ild_mamba2", "zebra_llama_1B_ild_mla", "hylo_1B_ild_gdn")
+    stage2 = ("zebra_llama_1B_kl", "hylo_1B_kl_8k", "hylo_1B_kl_64k")
+    assert {p.stem for p in folder.glob("*.toml")} == set(stage1 + stage2)
+    data = {name: parse_config(["--job.config_file", str(folder / f"{name}.toml")], check_data=False).data
+            for name in stage1 + stage2}
+    for name in stage1:
+        assert data[name].document_slice == [0.0, 0.2], name
+    for name in stage2:
+        assert data[name].document_slice == [0.2, 1.0], name
+    assert len({(d.path, d.source, d.document_slice_seed) for d in data.values()}) == 1
