@@ -388,6 +388,32 @@ def test_a_slice_without_documents_is_refused(tok, corpus, megatron_prefix):
         loader_for("hf-stream", tok, corpus, megatron_prefix, document_slice=[0.0, 0.2])
 
 
+def test_what_a_slice_holds(tok, corpus, megatron_prefix):
+    """summarize (the log's "data: ..." line and its epochs) counts the slice's documents and tokens: the two
+    stages' add up to the whole, and the tokens are those the loader reads."""
+    from types import SimpleNamespace
+
+    from hybridtitan.data.sources import summarize
+    from hybridtitan.preflight import what_the_run_reads
+
+    whole = summarize(slice_cfg("megatron", corpus, megatron_prefix))
+    first = summarize(slice_cfg("megatron", corpus, megatron_prefix, document_slice=[0.0, 0.2]))
+    rest = summarize(slice_cfg("megatron", corpus, megatron_prefix, document_slice=[0.2, 1.0]))
+    assert "all_documents" not in whole and first["all_documents"] == rest["all_documents"] == 59
+    assert first["documents"] == 12 and first["documents"] + rest["documents"] == whole["documents"]
+    assert first["tokens"] + rest["tokens"] == whole["tokens"] and 0 < first["tokens"] < whole["tokens"] / 2
+    read = epoch_documents(slice_cfg("megatron", corpus, megatron_prefix, document_slice=[0.0, 0.2]), tok)
+    assert sum(len(d) * k for d, k in read.items()) == first["tokens"]
+    hf = summarize(slice_cfg("hf", corpus, megatron_prefix, document_slice=[0.2, 1.0]))
+    assert hf["documents"] == 48 and hf["all_documents"] == 60 and hf["tokens"] is None
+    cfg = SimpleNamespace(data=slice_cfg("megatron", corpus, megatron_prefix, document_slice=[0.0, 0.2]),
+                          training=SimpleNamespace(steps=10, seq_len=64))
+    line = what_the_run_reads(cfg, 8)
+    epochs = 10 * 8 * 64 / (first["tokens"] + 12)
+    assert line == (f"data: 2 file(s), data.document_slice [0.0, 0.2) of 59 documents: 12 documents, "
+                    f"{first['tokens']:,} tokens; the run reads 5,120 tokens (10 steps x 8 x 64): {epochs:.2f} epochs")
+
+
 def test_a_resume_with_another_slice_is_refused(tmp_path, tok, corpus, megatron_prefix):
     """The run record's data_identity names the slice: a resume that would load the loader's position into
     another slice (or the whole, or another seed) of the same files is refused in one line, as other files are;

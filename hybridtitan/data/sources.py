@@ -118,6 +118,14 @@ def slice_bounds(num_documents: int, document_slice) -> tuple[int, int]:
     return round(start * num_documents), round(end * num_documents)
 
 
+def slice_indices(num_documents: int, document_slice, seed: int) -> np.ndarray:
+    """The indices of the documents data.document_slice keeps of a random-access source of ``num_documents``:
+    positions [lo, hi) (slice_bounds) of the permutation seeded by ``seed``, sorted (the files' order)."""
+    lo, hi = slice_bounds(num_documents, document_slice)
+    dtype = np.int32 if num_documents < 2**31 else np.int64
+    return np.sort(np.random.default_rng(seed).permutation(num_documents)[lo:hi]).astype(dtype)
+
+
 class SlicedSource:
     """The documents of a random-access source that data.document_slice keeps: positions [lo, hi) of one
     permutation of all of them, seeded by data.document_slice_seed alone (not the training seed, not the shard),
@@ -137,8 +145,7 @@ class SlicedSource:
             self.offset, self.indices = lo, None
             self.length = hi - lo
         else:
-            dtype = np.int32 if n < 2**31 else np.int64
-            self.indices = np.sort(np.random.default_rng(seed).permutation(n)[lo:hi]).astype(dtype)
+            self.indices = slice_indices(n, document_slice, seed)
             self.offset, self.length = 0, hi - lo
         start, end = (float(b) for b in document_slice)
         self.fingerprint = f"{source.fingerprint}:slice:{start}:{end}:{seed}"
@@ -363,13 +370,30 @@ def build_documents(cfg: Data, tokenizer, *, shard: int, num_shards: int, seed: 
 
 def summarize(cfg: Data) -> dict | None:
     """What a [data] section holds: {"files", "documents", "tokens"} (tokens None where the text is tokenized as it
-    is read); None for mock data or a streamed dataset (no length)."""
+    is read), those of its data.document_slice where it has one (and then "all_documents", the whole's); None for
+    mock data or a streamed dataset (no length)."""
     if cfg.source == "megatron":
         files = [MegatronDataset(p) for p in megatron_prefixes(cfg.path)]
-        return {"files": len(files), "documents": sum(len(f) for f in files),
-                "tokens": int(sum(int(f.sequence_lengths.sum(dtype=np.int64)) for f in files))}
+        summary = {"files": len(files), "documents": sum(len(f) for f in files),
+                   "tokens": int(sum(int(f.sequence_lengths.sum(dtype=np.int64)) for f in files))}
+        if cfg.sliced():
+            per_document = np.concatenate([_document_tokens(f) for f in files]) if files else np.zeros(0, np.int64)
+            kept = slice_indices(len(per_document), cfg.document_slice, cfg.document_slice_seed)
+            summary.update(all_documents=summary["documents"], documents=len(kept),
+                           tokens=int(per_document[kept].sum(dtype=np.int64)))
+        return summary
     if cfg.source == "hf" and not cfg.streaming:
         local = looks_local(cfg.path) and not os.path.isdir(resolve_path(cfg.path))
-        return {"files": len(local_data_files(cfg.path)) if local else None, "documents": len(load_hf_dataset(cfg)),
-                "tokens": None}
+        summary = {"files": len(local_data_files(cfg.path)) if local else None,
+                   "documents": len(load_hf_dataset(cfg)), "tokens": None}
+        if cfg.sliced():
+            lo, hi = slice_bounds(summary["documents"], cfg.document_slice)
+            summary.update(all_documents=summary["documents"], documents=hi - lo)
+        return summary
     return None
+
+
+def _document_tokens(f: MegatronDataset) -> np.ndarray:
+    """Each document's tokens in one Megatron file (a document may be several sequences)."""
+    ends = np.concatenate([[0], np.cumsum(f.sequence_lengths, dtype=np.int64)])
+    return ends[f.document_indices[1:]] - ends[f.document_indices[:-1]]
