@@ -322,6 +322,12 @@ def _typed(key: str, text: str, tp: Any) -> Any:
     if typing.get_origin(kind) is list:
         (item,) = typing.get_args(kind) or (str,)
         items = [t for t in text.split(",") if t]
+        if item in (int, float):  # each item a number, said as the key's own: "--data.document_slice must be ..."
+            try:
+                return [item(t) for t in items]
+            except ValueError:
+                what = "integers" if item is int else "numbers"
+                raise ConfigError(f"--{key} must be comma-separated {what}, got {text!r}") from None
         return [items] if typing.get_origin(item) is list else items
     return text
 

@@ -277,6 +277,9 @@ def what_the_run_reads(cfg, global_batch: int) -> str:
     if summary is None:
         return f"data: {cfg.data.source} source, {planned:,} tokens over the run"
     files = f"{summary['files']} file(s), " if summary["files"] else ""
+    if "all_documents" in summary:  # the counts are the slice's
+        start, end = cfg.data.document_slice
+        files += f"data.document_slice [{start}, {end}) of {summary['all_documents']:,} documents: "
     if summary["tokens"] is None:
         return (f"data: {files}{summary['documents']:,} documents (tokenized as they are read); the run reads "
                 f"{planned:,} tokens")

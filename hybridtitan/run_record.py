@@ -43,13 +43,31 @@ def data_files(data) -> list[str]:
     return []
 
 
+SLICE = "document_slice"
+
+
 def data_identity(data) -> list:
     """What a [data] section reads, as a resume compares it: each file's name and size (a Megatron shard's .bin),
-    else the source and path (a hub dataset, mock data). A moved folder of the same files is the same data."""
+    else the source and path (a hub dataset, mock data). A moved folder of the same files is the same data. A
+    data.document_slice other than the whole adds ["document_slice", start, end, document_slice_seed]: another
+    slice of the same files is other documents."""
     files = data_files(data)
     if not files:
-        return [data.source, data.path]
-    return [[os.path.basename(f), os.path.getsize(f + ".bin" if data.source == "megatron" else f)] for f in files]
+        identity = [data.source, data.path]
+    else:
+        identity = [[os.path.basename(f), os.path.getsize(f + ".bin" if data.source == "megatron" else f)]
+                    for f in files]
+    if data.sliced():
+        start, end = data.document_slice
+        identity.append([SLICE, float(start), float(end), int(data.document_slice_seed)])
+    return identity
+
+
+def _split_slice(identity: list) -> tuple[list, list | None]:
+    """(the files part of an identity, its slice entry or None: the whole data)."""
+    if identity and isinstance(identity[-1], list) and identity[-1][:1] == [SLICE]:
+        return identity[:-1], identity[-1]
+    return identity, None
 
 
 def _saved_record(step_dir: str) -> dict | None:
@@ -70,7 +88,16 @@ def check_data(step_dir: str, data) -> None:
     if saved is None:
         return
     now = data_identity(data)
+    (saved_files, saved_slice), (now_files, now_slice) = _split_slice(saved), _split_slice(now)
+    if saved_files == now_files and saved_slice != now_slice:
+        def show_slice(entry):
+            return "all of it" if entry is None else f"[{entry[1]}, {entry[2]}) seed {entry[3]}"
+        raise ConfigError(f"cannot resume from {step_dir}: data.document_slice takes other documents of the data than "
+                          f"the run it continues ({show_slice(saved_slice)} then, {show_slice(now_slice)} now), so "
+                          "the loader's saved position would index other documents; to train on the new slice from "
+                          "its beginning, say so: --checkpoint.exclude_from_loading dataloader")
     if saved != now:
+        saved, now = saved_files, now_files
         def show(identity):
             names = [f[0] if isinstance(f, list) else str(f) for f in identity]
             return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

@@ -62,6 +62,54 @@ def test_bad_cli(tmp_path, capsys, case):
     assert err.startswith("error: ") and "\n" not in err and expected in err and "helptext" not in err, err
     assert {p: p.stat().st_mtime_ns for p in dump.rglob("*")} == before
 
+BAD_SLICES = {
+    "reversed": (["--data.document_slice", "0.5,0.2"],
+                 "data.document_slice must be [start, end] with 0 <= start < end <= 1, got [0.5, 0.2]"),
+    "empty": (["--data.document_slice", "0.3,0.3"], "0 <= start < end <= 1, got [0.3, 0.3]"),
+    "past_one": (["--data.document_slice", "0,1.5"], "0 <= start < end <= 1, got [0.0, 1.5]"),
+    "negative": (["--data.document_slice=-0.1,0.5"], "0 <= start < end <= 1, got [-0.1, 0.5]"),
+    "one_number": (["--data.document_slice", "0.2"],
+                   "data.document_slice must be two fractions [start, end], got [0.2]"),
+    "three_numbers": (["--data.document_slice", "0,0.2,1"], "must be two fractions [start, end], got [0.0, 0.2, 1.0]"),
+    "not_a_number": (["--data.document_slice", "0.2,end"],
+                     "--data.document_slice must be comma-separated numbers, got '0.2,end'"),
+    "nan": (["--data.document_slice", "nan,0.5"], "must be two fractions [start, end], got [nan, 0.5]"),
+    "seed": (["--data.document_slice_seed", "-1"], "data.document_slice_seed must be an integer >= 0, got -1"),
+    "streaming": (["--data.streaming", "--data.document_slice", "0,0.2"],
+                  "data.document_slice [0.0, 0.2]: a slice needs random access"),
+}
+
+@pytest.mark.parametrize("case", sorted(BAD_SLICES))
+def test_bad_document_slice(tmp_path, capsys, case):
+    """A slice that is not 0 <= start < end <= 1 (or a stream's): one line, exit 2, nothing written."""
+    argv, expected = BAD_SLICES[case]
+    code, err = main_error(capsys, ["--job.config_file", RECIPE, "--job.dump_folder", str(tmp_path / "d"), *argv])
+    assert code == 2 and err.startswith("error: ") and "\n" not in err and expected in err, err
+    assert not (tmp_path / "d").exists()
+
+@pytest.mark.parametrize("value,expected", [("[0.3, 0.1]", "0 <= start < end <= 1, got [0.3, 0.1]"),
+                                            ('"0.2,1.0"', "data.document_slice must be list"),
+                                            ('["a", "b"]', "data.document_slice must be list")])
+def test_bad_document_slice_in_a_recipe(tmp_path, capsys, value, expected):
+    recipe = tmp_path / "sliced.toml"
+    recipe.write_text(open(RECIPE).read().replace("[data]\n", f"[data]\ndocument_slice = {value}\n", 1))
+    code, err = main_error(capsys, ["--job.config_file", str(recipe), "--job.dump_folder", str(tmp_path / "d")])
+    assert code == 2 and err.startswith("error: ") and "\n" not in err and expected in err, err
+
+def test_document_slice_from_a_recipe_and_the_command_line(tmp_path):
+    from hybridtitan.config import parse_config
+
+    assert parse_config(["--job.config_file", RECIPE]).data.document_slice == [0.0, 1.0]
+    assert parse_config(["--job.config_file", RECIPE]).data.document_slice_seed == 42
+    recipe = tmp_path / "sliced.toml"
+    recipe.write_text(open(RECIPE).read().replace("[data]\n", "[data]\ndocument_slice = [0, 0.2]\n", 1))
+    cfg = parse_config(["--job.config_file", str(recipe)])
+    assert cfg.data.document_slice == [0, 0.2] and cfg.data.sliced()
+    cfg = parse_config(["--job.config_file", str(recipe), "--data.document_slice", "0.2,1.0",
+                        "--data.document_slice_seed", "7"])
+    assert cfg.data.document_slice == [0.2, 1.0] and cfg.data.document_slice_seed == 7
+    assert not parse_config(["--job.config_file", RECIPE, "--data.document_slice", "0,1"]).data.sliced()
+
 def test_no_arguments_prints_the_usage(capsys):
     code, err = main_error(capsys, [])
     assert code == 2 and err.startswith("usage: python -m hybridtitan.train --job.config_file RECIPE.toml"), err
@@ -181,3 +229,20 @@ def test_config_reference_is_current():
     for key in ("training.eod_mask_loss", "validation.data.path", "eval.tasks", "model.mla.kv_lora_rank",
                 "comm.train_timeout_seconds"):
         assert key in known_keys() and f"| `{key}` |" in page, key
+
+def test_upcycling_stages_read_disjoint_slices():
+    """The stage-1 recipes read [0.0, 0.2) of the data, the stage-2 ones [0.2, 1.0) of the same data in the same
+    order (one path, one document_slice_seed): AMD's split of its SFT data, no document read by both stages."""
+    from hybridtitan.config import parse_config
+
+    folder = ROOT / "train_configs" / "upcycle"
+    stage1 = ("zebra_llama_1B_ild_mamba2", "zebra_llama_1B_ild_mla", "hylo_1B_ild_gdn")
+    stage2 = ("zebra_llama_1B_kl", "hylo_1B_kl_8k", "hylo_1B_kl_64k")
+    assert {p.stem for p in folder.glob("*.toml")} == set(stage1 + stage2)
+    data = {name: parse_config(["--job.config_file", str(folder / f"{name}.toml")], check_data=False).data
+            for name in stage1 + stage2}
+    for name in stage1:
+        assert data[name].document_slice == [0.0, 0.2], name
+    for name in stage2:
+        assert data[name].document_slice == [0.2, 1.0], name
+    assert len({(d.path, d.source, d.document_slice_seed) for d in data.values()}) == 1

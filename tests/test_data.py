@@ -24,7 +24,15 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 from hybridtitan.data import Data, MegatronWriter, build_dataloader, build_tokenizer, validate_data_config  # noqa: E402
 from hybridtitan.data.megatron import MegatronDataset  # noqa: E402
 from hybridtitan.data.packing import Packer, cu_seqlens, document_starts, with_eos  # noqa: E402
-from hybridtitan.data.sources import HFSource, MegatronSource, ShardedDocuments, load_hf_dataset  # noqa: E402
+from hybridtitan.data.sources import (  # noqa: E402
+    HFSource,
+    MegatronSource,
+    MockSource,
+    ShardedDocuments,
+    SlicedSource,
+    build_documents,
+    load_hf_dataset,
+)
 from hybridtitan.errors import DataError  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")  # torchdata 0.11 on torch 2.13
@@ -250,6 +258,190 @@ def test_epochs_reshuffle(tok, corpus, megatron_prefix):
     docs = ShardedDocuments(source, shard=0, num_shards=1, seed=0, shuffle=True)
     order = [docs._global_index(e, p) for e in (0, 1) for p in range(len(source))]
     assert sorted(order[:len(source)]) == list(range(len(source))) and order[:len(source)] != order[len(source):]
+
+
+# ------------------------------------------------------------------------------------------------ document slices
+
+
+def slice_cfg(kind: str, corpus, megatron_prefix, **data) -> Data:
+    base = {"hf": Data(source="hf", path=corpus["train"]), "megatron": Data(source="megatron", path=megatron_prefix),
+            "mock": Data(source="mock")}[kind]
+    return dataclasses.replace(base, **data)
+
+
+def epoch_documents(cfg: Data, tok, *, shard=0, num_shards=1, seed=0) -> Counter:
+    """The documents (token tuples) one shard reads in its first epoch, as the loader builds its cursor."""
+    docs = build_documents(cfg, tok, shard=shard, num_shards=num_shards, seed=seed, eos=tok.eos_token_id,
+                           vocab_size=512, max_doc_len=32)
+    seen = []
+    while docs.pos < docs._length():
+        seen.append(tuple(docs.next_document().tolist()))
+        if docs.epoch > 0:  # the last documents were empty: the read wrapped
+            seen.pop()
+            break
+    return Counter(seen)
+
+
+@pytest.mark.parametrize("kind", ["hf", "megatron"])
+def test_document_slices_are_disjoint_and_cover_the_data(kind, tok, corpus, megatron_prefix):
+    """Stage 1 reads [0, 0.2), stage 2 [0.2, 1): no document in both, every document in one, 20% in the first;
+    taken from a permutation (not the files' first 20%), the same for any training seed, another for another
+    document_slice_seed."""
+    whole = epoch_documents(slice_cfg(kind, corpus, megatron_prefix, shuffle=False), tok)
+    first = epoch_documents(slice_cfg(kind, corpus, megatron_prefix, document_slice=[0.0, 0.2]), tok, seed=1)
+    rest = epoch_documents(slice_cfg(kind, corpus, megatron_prefix, document_slice=[0.2, 1.0]), tok, seed=2)
+    assert len(whole) == 59  # 60 documents, one empty
+    assert not set(first) & set(rest), "the two stages share documents"
+    assert first + rest == whole
+    n = 60 if kind == "hf" else 59  # the hf file holds the empty document too (skipped as it is read)
+    assert abs(sum(first.values()) - round(0.2 * n)) <= 1 and sum(rest.values()) >= round(0.8 * n) - 1
+    in_order = [tuple(tok(t, add_special_tokens=False)["input_ids"]) for t in corpus["texts"] if t]
+    assert set(first) != set(in_order[:len(first)])  # a permutation's slice, not the head of the files
+    assert epoch_documents(slice_cfg(kind, corpus, megatron_prefix, document_slice=[0.0, 0.2]), tok, seed=7) == first
+    other = epoch_documents(slice_cfg(kind, corpus, megatron_prefix, document_slice=[0.0, 0.2],
+                                      document_slice_seed=3), tok)
+    assert other != first
+    # three slices that meet also cover the data exactly once
+    parts = [epoch_documents(slice_cfg(kind, corpus, megatron_prefix, document_slice=b), tok)
+             for b in ([0.0, 0.33], [0.33, 0.7], [0.7, 1.0])]
+    assert parts[0] + parts[1] + parts[2] == whole
+
+
+@pytest.mark.parametrize("kind", ["hf", "megatron"])
+def test_document_slice_is_the_same_on_any_number_of_ranks(kind, tok, corpus, megatron_prefix):
+    """The slice is taken before the split over ranks (and workers): on 1 rank, on 2, on 2 ranks of 2 workers
+    each, the shards together read the same documents, each once."""
+    cfg = slice_cfg(kind, corpus, megatron_prefix, document_slice=[0.2, 1.0])
+    one = epoch_documents(cfg, tok)
+    assert sum(one.values()) > 40
+    for num_shards in (2, 4):
+        shards = [epoch_documents(cfg, tok, shard=r, num_shards=num_shards) for r in range(num_shards)]
+        assert all(not set(a) & set(b) for i, a in enumerate(shards) for b in shards[i + 1:])
+        assert sum(shards, Counter()) == one, num_shards
+    # and through the loader: rank 0 of 2 reads only documents of the slice
+    cursor = loader_for(kind, tok, corpus, megatron_prefix, rank=0, world=2, document_slice=[0.2, 1.0])
+    assert isinstance(cursor.dataset.packer.documents.source, SlicedSource)
+
+
+def test_mock_slices_are_disjoint():
+    """The mock source (already random, 2**40 documents: no permutation) slices its positions."""
+    source = MockSource(512, 0, seed=0, max_len=8)
+    a, b = SlicedSource(source, [0.0, 0.2], 42), SlicedSource(source, [0.2, 1.0], 42)
+    assert a.source_index(len(a) - 1) + 1 == b.source_index(0) and b.source_index(len(b) - 1) == len(source) - 1
+    assert len(a) + len(b) == len(source)
+
+
+def test_the_whole_data_is_not_permuted(tok, corpus, megatron_prefix):
+    """The default [0.0, 1.0] reads the source itself, in today's order (test_loader_stream_is_documents_with_eos
+    checks that order)."""
+    docs = build_documents(slice_cfg("megatron", corpus, megatron_prefix), tok, shard=0, num_shards=1, seed=0,
+                           eos=tok.eos_token_id, vocab_size=512, max_doc_len=32)
+    assert isinstance(docs.source, MegatronSource)
+
+
+@pytest.mark.parametrize("kind", ["hf", "megatron", "mock"])
+def test_exact_resume_with_a_slice(kind, tok, corpus, megatron_prefix):
+    """Saved in the slice's second epoch, mid-document: the resumed loader gives the same batches; a state saved
+    without the slice, or with another, is refused as other data."""
+    n, m = 55, 30  # the [0.2, 1.0) slice: ~3000 tokens, ~46 batches of 4 x 16 per epoch
+    loader = loader_for(kind, tok, corpus, megatron_prefix, document_slice=[0.2, 1.0])
+    it = iter(loader)
+    [next(it) for _ in range(n)]
+    state = pickle.loads(pickle.dumps(loader.state_dict()))
+    expected = [next(it) for _ in range(m)]
+    if kind != "mock":
+        assert state["dataset_state"]["packer"]["documents"]["epoch"] == 1
+    fresh = loader_for(kind, tok, corpus, megatron_prefix, document_slice=[0.2, 1.0])
+    fresh.load_state_dict(state)
+    assert same(take(fresh, m), expected)
+    for other in ({"document_slice": [0.0, 0.2]}, {}, {"document_slice": [0.2, 1.0], "document_slice_seed": 1}):
+        refused = loader_for(kind, tok, corpus, megatron_prefix, **other)
+        refused.load_state_dict(state)
+        with pytest.raises(ValueError, match="other data"):
+            next(iter(refused))
+
+
+def test_exact_resume_with_a_slice_and_workers(tok, corpus, megatron_prefix):
+    loader = loader_for("megatron", tok, corpus, megatron_prefix, num_workers=2, document_slice=[0.0, 0.5])
+    it = iter(loader)
+    [next(it) for _ in range(9)]
+    state = loader.state_dict()
+    expected = [next(it) for _ in range(8)]
+    fresh = loader_for("megatron", tok, corpus, megatron_prefix, num_workers=2, document_slice=[0.0, 0.5])
+    fresh.load_state_dict(state)
+    assert same(take(fresh, 8), expected)
+
+
+def test_a_slice_without_documents_is_refused(tok, corpus, megatron_prefix):
+    def error(**data):
+        with pytest.raises(ValueError) as e:
+            loader_for("megatron", tok, corpus, megatron_prefix, **data)
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    assert error(document_slice=[0.0, 0.005]) == ("data.document_slice [0.0, 0.005] holds no document of the 59 "
+                                                  "documents of data.path")
+    assert error(document_slice=[0.99, 1.0], world=2) == ("data: data.document_slice keeps 1 documents, fewer than "
+                                                         "the 2 data-parallel ranks (x workers) reading it")
+    assert error(document_slice=[0.5, 0.1]).startswith("data.document_slice must be [start, end] with 0 <= start")
+    with pytest.raises(ValueError, match="a slice needs random access"):
+        loader_for("hf-stream", tok, corpus, megatron_prefix, document_slice=[0.0, 0.2])
+
+
+def test_what_a_slice_holds(tok, corpus, megatron_prefix):
+    """summarize (the log's "data: ..." line and its epochs) counts the slice's documents and tokens: the two
+    stages' add up to the whole, and the tokens are those the loader reads."""
+    from types import SimpleNamespace
+
+    from hybridtitan.data.sources import summarize
+    from hybridtitan.preflight import what_the_run_reads
+
+    whole = summarize(slice_cfg("megatron", corpus, megatron_prefix))
+    first = summarize(slice_cfg("megatron", corpus, megatron_prefix, document_slice=[0.0, 0.2]))
+    rest = summarize(slice_cfg("megatron", corpus, megatron_prefix, document_slice=[0.2, 1.0]))
+    assert "all_documents" not in whole and first["all_documents"] == rest["all_documents"] == 59
+    assert first["documents"] == 12 and first["documents"] + rest["documents"] == whole["documents"]
+    assert first["tokens"] + rest["tokens"] == whole["tokens"] and 0 < first["tokens"] < whole["tokens"] / 2
+    read = epoch_documents(slice_cfg("megatron", corpus, megatron_prefix, document_slice=[0.0, 0.2]), tok)
+    assert sum(len(d) * k for d, k in read.items()) == first["tokens"]
+    hf = summarize(slice_cfg("hf", corpus, megatron_prefix, document_slice=[0.2, 1.0]))
+    assert hf["documents"] == 48 and hf["all_documents"] == 60 and hf["tokens"] is None
+    cfg = SimpleNamespace(data=slice_cfg("megatron", corpus, megatron_prefix, document_slice=[0.0, 0.2]),
+                          training=SimpleNamespace(steps=10, seq_len=64))
+    line = what_the_run_reads(cfg, 8)
+    epochs = 10 * 8 * 64 / (first["tokens"] + 12)
+    assert line == (f"data: 2 file(s), data.document_slice [0.0, 0.2) of 59 documents: 12 documents, "
+                    f"{first['tokens']:,} tokens; the run reads 5,120 tokens (10 steps x 8 x 64): {epochs:.2f} epochs")
+
+
+def test_a_resume_with_another_slice_is_refused(tmp_path, tok, corpus, megatron_prefix):
+    """The run record's data_identity names the slice: a resume that would load the loader's position into
+    another slice (or the whole, or another seed) of the same files is refused in one line, as other files are;
+    the same slice passes, and a run without a slice records what it recorded before."""
+    from helpers import fake_step
+    from hybridtitan.errors import ConfigError
+    from hybridtitan.run_record import check_data, data_identity, record
+
+    whole = slice_cfg("megatron", corpus, megatron_prefix)
+    first = dataclasses.replace(whole, document_slice=[0, 0.2])
+    assert data_identity(first) == data_identity(whole) + [["document_slice", 0.0, 0.2, 42]]
+    assert all(entry[0] != "document_slice" for entry in data_identity(whole))
+    fake_step(tmp_path / "run", 4, "debug_hybrid")
+    step = tmp_path / "run" / "checkpoint" / "step-4"
+    (step / "job_config.json").write_text(json.dumps({"data": {}, **record(first, None)}))
+    check_data(str(step), dataclasses.replace(whole, document_slice=[0.0, 0.2]))  # the same slice, as floats
+    for other, now in ((dataclasses.replace(whole, document_slice=[0.2, 1.0]), "[0.2, 1.0) seed 42 now"),
+                       (whole, "all of it now"),
+                       (dataclasses.replace(first, document_slice_seed=7), "[0.0, 0.2) seed 7 now")):
+        with pytest.raises(ConfigError) as e:
+            check_data(str(step), other)
+        assert "\n" not in str(e.value)
+        assert str(e.value).startswith(f"cannot resume from {step}: data.document_slice takes other documents of "
+                                       f"the data than the run it continues ([0.0, 0.2) seed 42 then, {now})")
+        assert str(e.value).endswith("--checkpoint.exclude_from_loading dataloader")
+    # other files with the same slice: the files' message
+    with pytest.raises(ConfigError, match="data.path reads other data than the run it continues"):
+        check_data(str(step), dataclasses.replace(first, source="hf", path=corpus["train"]))
 
 
 # ------------------------------------------------------------------------------------------------ exact resume

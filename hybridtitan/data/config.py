@@ -3,8 +3,9 @@
 (No `from __future__ import annotations`: the field types must stay real types for the recipe checks.)"""
 
 import glob
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 SOURCES = ("hf", "megatron", "mock")
@@ -48,6 +49,20 @@ class Data:
 
     num_workers: int = 0
     """DataLoader worker processes (0: load in the training process); resume needs the same value"""
+
+    document_slice: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    """[start, end): the fraction of the documents to read (0 <= start < end <= 1), taken from one permutation of
+    them seeded by document_slice_seed, before they are split over ranks and workers: runs given [0.0, 0.2] and
+    [0.2, 1.0] read disjoint documents that together are all of them, on any number of ranks. [0.0, 1.0]: all, in
+    the files' order (no permutation). Not with data.streaming"""
+
+    document_slice_seed: int = 42
+    """Seed of the permutation document_slice takes its fraction of (the same in every stage that shares the
+    data; independent of the training seed)"""
+
+    def sliced(self) -> bool:
+        """Whether document_slice keeps less than all of the documents."""
+        return list(self.document_slice) != [0.0, 1.0]
 
 
 def recorded_path(path: str) -> str:
@@ -142,12 +157,29 @@ def megatron_prefixes(path: str) -> list[str]:
     return prefixes
 
 
+def check_document_slice(cfg: Data) -> None:
+    """data.document_slice is two fractions 0 <= start < end <= 1, data.document_slice_seed an integer >= 0;
+    ValueError with one line otherwise."""
+    bounds = cfg.document_slice
+    numbers = isinstance(bounds, (list, tuple)) and all(
+        isinstance(b, (int, float)) and not isinstance(b, bool) for b in bounds)
+    if not (numbers and len(bounds) == 2 and all(math.isfinite(b) for b in bounds)):
+        raise ValueError(f"data.document_slice must be two fractions [start, end], got {bounds!r}")
+    start, end = bounds
+    if not 0 <= start < end <= 1:
+        raise ValueError(f"data.document_slice must be [start, end] with 0 <= start < end <= 1, got {list(bounds)}")
+    seed = cfg.document_slice_seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"data.document_slice_seed must be an integer >= 0, got {seed!r}")
+
+
 def validate_data_config(cfg: Data) -> None:
     """Check the `[data]` section before anything is loaded; raises ValueError with one line naming the field."""
     if cfg.source not in SOURCES:
         raise ValueError(f"data.source must be one of {', '.join(SOURCES)} (got {cfg.source!r})")
     if cfg.num_workers < 0:
         raise ValueError(f"data.num_workers must be >= 0 (got {cfg.num_workers})")
+    check_document_slice(cfg)
     if cfg.tokenizer and looks_local(cfg.tokenizer) and not os.path.isdir(resolve_path(cfg.tokenizer)):
         raise ValueError(f"data.tokenizer: no such folder: {cfg.tokenizer}")
     if not cfg.tokenizer and cfg.source != "mock":
@@ -164,6 +196,9 @@ def validate_data_config(cfg: Data) -> None:
                 if not files:
                     raise ValueError(f"data.path: no such file or folder: {cfg.path}")
                 files_builder(files, cfg.path)
+        if cfg.streaming and cfg.sliced():
+            raise ValueError(f"data.document_slice {list(cfg.document_slice)}: a slice needs random access to the "
+                             "documents, which a stream has not (data.streaming = false)")
         if cfg.streaming and cfg.num_workers > 0:
             # datasets would shard the stream again inside each worker, by its own rules; one process keeps the
             # order (and the resume) ours.

@@ -12,6 +12,7 @@ Checkpoint state (what `PackedDataset.state_dict()` returns; StatefulDataLoader 
      "packer": {"documents": <cursor before the document being cut>, "offset": tokens of it already placed,
                 "carry": the token the next window starts with, or -1}}
     cursor, random-access sources: {"epoch", "pos", "shard", "num_shards", "seed", "shuffle", "fingerprint"}
+                                   (with data.document_slice, positions in the slice; the fingerprint names it)
     cursor, streaming hf:          {"epoch", "hf_state" (datasets' own, as a JSON string), "shard", "num_shards"}
 A few integers: resume re-reads (re-tokenizes) at most the one document that was being cut. The structure
 never changes along a run (DCP loads a checkpoint into the structure of the live state_dict).

@@ -5,8 +5,10 @@ Random-access sources (a Hugging Face map-style dataset, Megatron .bin/.idx file
 ordering rule, in `ShardedDocuments`: epoch e visits the documents in the order of a permutation seeded by
 (seed, e) (the identity without shuffle), and shard s of n takes positions s, s + n, s + 2n, ... of it. The
 permutation depends on neither the shard nor the number of shards, which is what lets a checkpoint move to a
-different data-parallel size (see `ShardedDocuments.load_state_dict`). A streaming Hugging Face dataset has no
-random access: `StreamingDocuments` follows the stream and checkpoints it with datasets' own state_dict.
+different data-parallel size (see `ShardedDocuments.load_state_dict`). data.document_slice narrows the source
+first (`SlicedSource`: a fraction of one permutation seeded by document_slice_seed), so the shards split the slice.
+A streaming Hugging Face dataset has no random access: `StreamingDocuments` follows the stream and checkpoints it
+with datasets' own state_dict.
 """
 
 from __future__ import annotations
@@ -108,6 +110,57 @@ class MockSource:
         return out
 
 
+def slice_bounds(num_documents: int, document_slice) -> tuple[int, int]:
+    """The positions [lo, hi) of the permutation that data.document_slice [start, end) keeps of ``num_documents``:
+    round(start * n) and round(end * n), so that slices that meet ([0, 0.2] and [0.2, 1]) share their bound and
+    neither lose nor repeat a document."""
+    start, end = document_slice
+    return round(start * num_documents), round(end * num_documents)
+
+
+def slice_indices(num_documents: int, document_slice, seed: int) -> np.ndarray:
+    """The indices of the documents data.document_slice keeps of a random-access source of ``num_documents``:
+    positions [lo, hi) (slice_bounds) of the permutation seeded by ``seed``, sorted (the files' order)."""
+    lo, hi = slice_bounds(num_documents, document_slice)
+    dtype = np.int32 if num_documents < 2**31 else np.int64
+    return np.sort(np.random.default_rng(seed).permutation(num_documents)[lo:hi]).astype(dtype)
+
+
+class SlicedSource:
+    """The documents of a random-access source that data.document_slice keeps: positions [lo, hi) of one
+    permutation of all of them, seeded by data.document_slice_seed alone (not the training seed, not the shard),
+    so that every stage reading the data takes its fraction of the same order and every rank sees the same
+    slice; the kept documents in the source's order (the loader shuffles them as it would the whole). A source
+    already in random order (mock) keeps the positions themselves: its documents are independent draws."""
+
+    def __init__(self, source, document_slice, seed: int):
+        self.source = source
+        self.random_order = source.random_order
+        n = len(source)
+        lo, hi = slice_bounds(n, document_slice)
+        if hi <= lo:
+            raise DataError(f"data.document_slice {list(document_slice)} holds no document of the "
+                            f"{n} documents of data.path")
+        if source.random_order:
+            self.offset, self.indices = lo, None
+            self.length = hi - lo
+        else:
+            self.indices = slice_indices(n, document_slice, seed)
+            self.offset, self.length = 0, hi - lo
+        start, end = (float(b) for b in document_slice)
+        self.fingerprint = f"{source.fingerprint}:slice:{start}:{end}:{seed}"
+
+    def __len__(self) -> int:
+        return self.length
+
+    def source_index(self, i: int) -> int:
+        """The source's index of this slice's document i."""
+        return self.offset + int(i) if self.indices is None else int(self.indices[int(i)])
+
+    def documents(self, indices) -> list[np.ndarray]:
+        return self.source.documents([self.source_index(i) for i in indices])
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Cursors over a source, for one data-parallel shard
 
@@ -121,7 +174,8 @@ class ShardedDocuments:
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} is outside 0..{num_shards - 1}")
         if len(source) < num_shards:
-            raise ValueError(f"data: the dataset has {len(source)} documents, fewer than the {num_shards} "
+            what = "data.document_slice keeps" if isinstance(source, SlicedSource) else "the dataset has"
+            raise ValueError(f"data: {what} {len(source)} documents, fewer than the {num_shards} "
                              "data-parallel ranks (x workers) reading it")
         self.source, self.shard, self.num_shards, self.seed, self.shuffle = source, shard, num_shards, seed, shuffle
         self.epoch, self.pos = 0, 0
@@ -309,18 +363,37 @@ def build_documents(cfg: Data, tokenizer, *, shard: int, num_shards: int, seed: 
         source = HFSource(ds, tokenizer, cfg.text_field)
     else:
         raise ValueError(f"data.source must be one of hf, megatron, mock (got {cfg.source!r})")
+    if cfg.sliced():  # before the split over ranks and workers: the same documents on any number of them
+        source = SlicedSource(source, cfg.document_slice, cfg.document_slice_seed)
     return ShardedDocuments(source, shard=shard, num_shards=num_shards, seed=seed, shuffle=cfg.shuffle)
 
 
 def summarize(cfg: Data) -> dict | None:
     """What a [data] section holds: {"files", "documents", "tokens"} (tokens None where the text is tokenized as it
-    is read); None for mock data or a streamed dataset (no length)."""
+    is read), those of its data.document_slice where it has one (and then "all_documents", the whole's); None for
+    mock data or a streamed dataset (no length)."""
     if cfg.source == "megatron":
         files = [MegatronDataset(p) for p in megatron_prefixes(cfg.path)]
-        return {"files": len(files), "documents": sum(len(f) for f in files),
-                "tokens": int(sum(int(f.sequence_lengths.sum(dtype=np.int64)) for f in files))}
+        summary = {"files": len(files), "documents": sum(len(f) for f in files),
+                   "tokens": int(sum(int(f.sequence_lengths.sum(dtype=np.int64)) for f in files))}
+        if cfg.sliced():
+            per_document = np.concatenate([_document_tokens(f) for f in files]) if files else np.zeros(0, np.int64)
+            kept = slice_indices(len(per_document), cfg.document_slice, cfg.document_slice_seed)
+            summary.update(all_documents=summary["documents"], documents=len(kept),
+                           tokens=int(per_document[kept].sum(dtype=np.int64)))
+        return summary
     if cfg.source == "hf" and not cfg.streaming:
         local = looks_local(cfg.path) and not os.path.isdir(resolve_path(cfg.path))
-        return {"files": len(local_data_files(cfg.path)) if local else None, "documents": len(load_hf_dataset(cfg)),
-                "tokens": None}
+        summary = {"files": len(local_data_files(cfg.path)) if local else None,
+                   "documents": len(load_hf_dataset(cfg)), "tokens": None}
+        if cfg.sliced():
+            lo, hi = slice_bounds(summary["documents"], cfg.document_slice)
+            summary.update(all_documents=summary["documents"], documents=hi - lo)
+        return summary
     return None
+
+
+def _document_tokens(f: MegatronDataset) -> np.ndarray:
+    """Each document's tokens in one Megatron file (a document may be several sequences)."""
+    ends = np.concatenate([[0], np.cumsum(f.sequence_lengths, dtype=np.int64)])
+    return ends[f.document_indices[1:]] - ends[f.document_indices[:-1]]
