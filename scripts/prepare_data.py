@@ -18,12 +18,18 @@ with NO EOS: packing
 fly alike. Empty documents are left out. Without --streaming the dataset is downloaded (FineWeb-Edu sample-10BT:
 about 30 GB) and its tokens are cached by datasets (4 bytes a token) before the shards (2 bytes a token for
 vocabularies under 65500) are written.
+
+With --chat-template (zebra: Zebra-Llama's template, shipped in hybridtitan/assets/chat_templates/; tokenizer: the
+tokenizer's own; or a .jinja file) each row's `messages` column, a list of {"role", "content"}, is rendered to text
+through the template (as tokenizer.apply_chat_template(messages, tokenize=False) renders it) and that text is
+tokenized instead of --text-field.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import os
 import sys
 import time
@@ -38,6 +44,9 @@ from hybridtitan.data.sources import load_hf_dataset  # noqa: E402
 from hybridtitan.data.tokenizer import build_tokenizer, encode_batch, eos_id, vocabulary_fingerprint  # noqa: E402
 
 BATCH = 1000
+MESSAGES = "messages"  # the column --chat-template renders
+CHAT_TEMPLATES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hybridtitan", "assets",
+                              "chat_templates")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,6 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "its finished shards are kept, the rest written again")
     p.add_argument("--streaming", action="store_true",
                    help="stream the dataset (no full download; tokenizes in this process, with threads)")
+    p.add_argument("--chat-template", "--chat_template", dest="chat_template", default=None,
+                   help="render each row's `messages` column (a list of {role, content}) to text through a chat "
+                        "template before tokenizing: zebra (Zebra-Llama's: Llama 3 headers, no system block), "
+                        "tokenizer (the tokenizer's own), or a .jinja file")
     p.add_argument("--cache-dir", "--cache_dir", dest="cache_dir", default=None,
                    help="datasets' cache of the download and of the tokens (4 bytes a token) until the shards are "
                         "written (default: datasets' own, under HF_HOME)")
@@ -85,16 +98,79 @@ def held_out(index: int, validation: float) -> bool:
     return int((index + 1) * validation) > int(index * validation)
 
 
-def tokenized_batches(args, tok):
-    """(number of documents or None, iterator over lists of token-id lists)."""
+def chat_template(spec: str, tok) -> str | None:
+    """The Jinja text of --chat-template ``spec`` (None: the tokenizer's own, which it must have). Raises ValueError
+    in one line if the file cannot be read or does not parse."""
+    if spec == "tokenizer":
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("--chat-template tokenizer: the tokenizer has no chat template "
+                             "(its tokenizer_config.json names none); give zebra or a .jinja file")
+        return None
+    path = os.path.join(CHAT_TEMPLATES, "zebra.jinja") if spec == "zebra" else spec
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--chat-template: cannot read {spec}: {e.strerror or e}") from None
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: {spec} is not a valid Jinja template: line {e.lineno}: {e.message}") \
+            from None
+    return text
+
+
+def render(tok, template: str | None, messages, row) -> str:
+    """The text of one conversation through the template; ValueError in one line naming the row for messages that
+    are not a list of {role, content} strings, or a template that fails on them."""
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise ValueError(f"--chat-template: row {row}: {MESSAGES!r} must be a non-empty list of "
+                         f"{{\"role\": ..., \"content\": ...}} strings, got {str(messages)[:80]!r}")
+    try:
+        return tok.apply_chat_template(messages, chat_template=template, tokenize=False)
+    except Exception as e:  # noqa: BLE001 -- a template's own error (raise_exception, a missing key): one line
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"--chat-template: row {row}: the template fails: {type(e).__name__}: {first}") from None
+
+
+def texts_of(tok, template, field, batch: dict, start: int) -> list[str]:
+    """The texts of one batch of rows: the text field, or each conversation rendered."""
+    if template is False:
+        return [t or "" for t in batch[field]]
+    return [render(tok, template, m, start + i) for i, m in enumerate(batch[MESSAGES])]
+
+
+def tokenized_batches(args, tok, template=False):
+    """(number of documents or None, iterator over lists of token-id lists). ``template``: False (the text field),
+    else chat_template()'s answer, rendered from the messages column; its first row is rendered here, before
+    anything is written."""
+    chat = template is not False
     cfg = Data(tokenizer=args.tokenizer, source="hf", path=args.dataset, name=args.name, split=args.split,
-               text_field=args.text_field, streaming=args.streaming)
-    ds = load_hf_dataset(cfg, cache_dir=args.cache_dir)
+               text_field=MESSAGES if chat else args.text_field, streaming=args.streaming)
+    try:
+        ds = load_hf_dataset(cfg, cache_dir=args.cache_dir)
+    except ValueError as e:
+        if chat and str(e).startswith("data.text_field:"):
+            raise ValueError("--chat-template:" + str(e).partition(":")[2]) from None
+        raise
     field = args.text_field
+    if chat:
+        first = next(iter(ds.take(1) if args.streaming else ds.select(range(min(1, len(ds))))), None)
+        if first is None:
+            raise ValueError(f"--dataset: {args.dataset} has no rows")
+        if MESSAGES not in first:  # a streamed dataset whose columns are known only from its rows
+            raise ValueError(f"--chat-template: no column {MESSAGES!r} in {args.dataset} "
+                             f"(columns: {', '.join(first)})")
+        render(tok, template, first[MESSAGES], 0)
     if args.streaming:
         if args.limit_docs:
             ds = ds.take(args.limit_docs)
-        batches = (encode_batch(tok, [t or "" for t in b[field]]) for b in ds.iter(batch_size=BATCH))
+        batches = (encode_batch(tok, texts_of(tok, template, field, b, i * BATCH))
+                   for i, b in enumerate(ds.iter(batch_size=BATCH)))
         return args.limit_docs or None, batches
     if args.limit_docs:
         ds = ds.select(range(min(args.limit_docs, len(ds))))
@@ -105,9 +181,15 @@ def tokenized_batches(args, tok):
 
     # int32 ids in the map's cache (datasets would store int64): 4 bytes a token on disk until the shards are written.
     features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))})
-    ds = ds.map(lambda b: {"input_ids": encode_batch(tok, [t or "" for t in b[field]])}, batched=True,
-                batch_size=BATCH, num_proc=args.workers if args.workers > 1 else None,
-                remove_columns=ds.column_names, features=features, desc="tokenizing")
+    if chat:  # every row rendered here, before the first write: with its index, for the error of a malformed one
+        ds = ds.map(lambda b, rows: {"input_ids": encode_batch(tok, texts_of(tok, template, field, b, rows[0]))},
+                    batched=True, with_indices=True, batch_size=BATCH,
+                    num_proc=args.workers if args.workers > 1 else None, remove_columns=ds.column_names,
+                    features=features, desc="rendering and tokenizing")
+    else:
+        ds = ds.map(lambda b: {"input_ids": encode_batch(tok, [t or "" for t in b[field]])}, batched=True,
+                    batch_size=BATCH, num_proc=args.workers if args.workers > 1 else None,
+                    remove_columns=ds.column_names, features=features, desc="tokenizing")
     return len(ds), (b["input_ids"] for b in ds.iter(batch_size=BATCH))
 
 
@@ -143,11 +225,17 @@ def main(argv=None) -> None:
         fail(f"{existing[0]} already exists: remove the old shards or choose another --output{hint}")
     try:
         tok = build_tokenizer(args.tokenizer)
-        total, batches = tokenized_batches(args, tok)
+        # the template read and parsed, the messages column found and its first row rendered: before any output
+        template = chat_template(args.chat_template, tok) if args.chat_template else False
+        total, batches = tokenized_batches(args, tok, template)
     except ValueError as e:
         fail(str(e))
     source = {"dataset": args.dataset, "name": args.name, "split": args.split, "text_field": args.text_field,
               "limit_docs": args.limit_docs, "validation": args.validation, "shard_size_tokens": args.shard_size_tokens}
+    if args.chat_template:  # which template, and a hash of its text: a --resume with another one is refused
+        text = tok.chat_template if template is None else template
+        source["chat_template"] = {"name": args.chat_template,
+                                   "sha256": hashlib.sha256(str(text).encode()).hexdigest()[:16]}
     record = {"complete": False, "source": source,
               "tokenizer": {"name": args.tokenizer, "fingerprint": vocabulary_fingerprint(tok), "vocab_size": len(tok),
                             "eod_id": eos_id(tok)},
@@ -177,6 +265,16 @@ def main(argv=None) -> None:
         record["shards"].append({"prefix": os.path.basename(w.prefix), "documents": shard_docs, "tokens": shard_tokens})
         manifest.write(path, record)  # a shard finished: a resume keeps it
 
+    stopped = []  # with --streaming a conversation is rendered as it is read: the error of a malformed one
+
+    def rendered(batches):
+        try:
+            yield from batches
+        except ValueError as e:
+            stopped.append(str(e))
+
+    if args.chat_template and args.streaming:
+        batches = rendered(batches)
     with tqdm(total=total, unit="doc", desc="writing", dynamic_ncols=True) as bar:
         for batch in batches:
             for ids in batch:
@@ -203,6 +301,8 @@ def main(argv=None) -> None:
                     writer = None
             bar.update(len(batch))
             bar.set_postfix(tokens=f"{tokens / 1e6:.1f}M", shards=len(shards))
+    if stopped:  # in one line, after the progress bar's; the shard being written is left unfinished
+        fail(f"{stopped[0]} (the preparation stopped there: {path} says incomplete)")
     if writer is not None:
         finish(writer)
     if not shards:
