@@ -181,15 +181,11 @@ def tokenized_batches(args, tok, template=False):
 
     # int32 ids in the map's cache (datasets would store int64): 4 bytes a token on disk until the shards are written.
     features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))})
-    if chat:  # every row rendered here, before the first write: with its index, for the error of a malformed one
-        ds = ds.map(lambda b, rows: {"input_ids": encode_batch(tok, texts_of(tok, template, field, b, rows[0]))},
-                    batched=True, with_indices=True, batch_size=BATCH,
-                    num_proc=args.workers if args.workers > 1 else None, remove_columns=ds.column_names,
-                    features=features, desc="rendering and tokenizing")
-    else:
-        ds = ds.map(lambda b: {"input_ids": encode_batch(tok, [t or "" for t in b[field]])}, batched=True,
-                    batch_size=BATCH, num_proc=args.workers if args.workers > 1 else None,
-                    remove_columns=ds.column_names, features=features, desc="tokenizing")
+    # with a template every row is rendered here, before the first write, with its index for a malformed one's error
+    ds = ds.map(lambda b, rows: {"input_ids": encode_batch(tok, texts_of(tok, template, field, b, rows[0]))},
+                batched=True, with_indices=True, batch_size=BATCH,
+                num_proc=args.workers if args.workers > 1 else None, remove_columns=ds.column_names,
+                features=features, desc="rendering and tokenizing" if chat else "tokenizing")
     return len(ds), (b["input_ids"] for b in ds.iter(batch_size=BATCH))
 
 
