@@ -262,12 +262,9 @@ def run_exporter(module: str, argv: list[str]) -> None:
 def build_with_kernels(args: ModelArgs, device, config: KernelConfig, state: dict | None = None,
                        dtype: torch.dtype | None = None):
     """A HybridLM whose modules run ``config``'s kernels, holding ``state`` (a state dict) when given, on
-    ``device`` in ``dtype``: the same weights under another kernel choice (the kernels are fixed at build time).
-    With ``config.fused_residual`` every sublayer's residual add goes into the next norm, as
-    hybridtitan.parallel does for a model without activation checkpointing."""
+    ``device`` in ``dtype``: the same weights under another kernel choice (the kernels are fixed at build time)."""
     from hybridtitan import ops
     from hybridtitan.models import build_model
-    from hybridtitan.ops.residual import fuse_residual_adds
 
     model = build_model(args, "meta", ops.Kernels(config))
     model.to_empty(device=device)
@@ -275,8 +272,6 @@ def build_with_kernels(args: ModelArgs, device, config: KernelConfig, state: dic
         model.init_weights()
     else:
         model.load_state_dict(state)
-    if config.fused_residual:  # the same parameter names: loading before or after is the same
-        fuse_residual_adds(model.layers, fusable=lambda layer: True)
     return model.to(dtype) if dtype is not None else model
 
 

@@ -1,6 +1,5 @@
-"""Parallelism, applied from outside the model in a fixed order: activation checkpointing, the fused residual
-kernels where the model's kernel config asks for them (hybridtitan.ops.residual), torch.compile per sublayer,
-then FSDP2 ``fully_shard`` per sublayer and at the root.
+"""Parallelism, applied from outside the model in a fixed order: activation checkpointing, torch.compile per
+sublayer, then FSDP2 ``fully_shard`` per sublayer and at the root.
 
 Data parallelism: FSDP over a 1-D mesh, or HSDP over a (replicate, shard) mesh; with context parallelism (each
 sequence split over ``cp`` consecutive ranks that hold the same batch, hybridtitan.ops.context_parallel) FSDP
@@ -11,16 +10,16 @@ assumes a GPU (it asks for a "cuda" mesh on a CPU machine).
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-
-from hybridtitan.ops.residual import fuse_residual_adds
+from torch.utils.checkpoint import checkpoint
 
 logger = logging.getLogger("hybridtitan")
 
@@ -65,11 +64,22 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1, 
     if mode == "none":
         return
     step = 1 if mode == "full" else every
+    fn = summing_the_stream(checkpoint_fn or functools.partial(checkpoint, use_reentrant=False,
+                                                               preserve_rng_state=False))
     for i, layer in enumerate(model.layers):
         if i % step == 0:
-            model.layers[i] = (checkpoint_wrapper(layer, checkpoint_fn=checkpoint_fn) if checkpoint_fn is not None
-                               else checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                                       preserve_rng_state=False))
+            model.layers[i] = checkpoint_wrapper(layer, checkpoint_fn=fn)
+
+
+def summing_the_stream(checkpoint_fn):
+    """``checkpoint_fn`` given a sublayer's stream summed: a checkpointed sublayer keeps its inputs for the
+    recomputation, and one tensor is half the memory of the pair (h, residual). The sum is the same numbers; the
+    add is a pass of its own rather than one kernel with the norm."""
+
+    def fn(layer, h, residual=None, **kwargs):
+        return checkpoint_fn(layer, h if residual is None else h + residual, None, **kwargs)
+
+    return fn
 
 
 def remove_activation_checkpointing(model: nn.Module) -> None:
@@ -124,9 +134,6 @@ def is_checkpointed(layer: nn.Module) -> bool:
 def parallelize(model: nn.Module, mesh: DeviceMesh, *, ac_mode: str, ac_every: int, compile_model: bool,
                 param_dtype: torch.dtype, reduce_dtype: torch.dtype, reshard_after_forward: str) -> nn.Module:
     apply_activation_checkpointing(model, ac_mode, ac_every)
-    if model.ops.config.fused_residual:
-        # a checkpointed sublayer keeps its input for the recomputation: one tensor, the stream summed
-        fuse_residual_adds(model.layers, fusable=lambda layer: not is_checkpointed(layer))
     if compile_model:
         apply_compile(model)
     apply_fsdp(model, mesh, param_dtype, reduce_dtype, reshard_after_forward)

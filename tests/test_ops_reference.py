@@ -487,9 +487,9 @@ def test_compiled_norms_equal_eager():
         return [normed.detach(), total.detach(), plain.detach()] + [t.grad for t in inputs]
 
     eager = run(ops.DEFAULT)
-    compiled = run(ops.Kernels(ops.KernelConfig(compiled_norms=True)))
+    compiled = run(ops.Kernels(ops.KernelConfig(compiled_norms=True, fused_residual=True)))
     assert ops._compiled.cache_info().currsize == 2  # both functions went through torch.compile
-    forced = run(ops.Kernels(ops.KernelConfig(compiled_norms=True, reference=True)))
+    forced = run(ops.Kernels(ops.KernelConfig(compiled_norms=True, fused_residual=True, reference=True)))
     for a, b, c in zip(compiled, eager, forced):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(c, b, rtol=0, atol=0)

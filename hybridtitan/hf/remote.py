@@ -26,7 +26,7 @@ MODULES = (
     "models/rope.py", "models/mla.py", "models/gqa.py", "models/gdn.py", "models/kda.py", "models/mamba2.py",
     "models/model.py",
     "ops/__init__.py", "ops/chunking.py", "ops/context_parallel.py", "ops/reference.py", "ops/cross_entropy.py",
-    "ops/distill.py", "ops/residual.py", "ops/cuda_graphs.py", "ops/fla_backend.py", "ops/conv_triton.py",
+    "ops/distill.py", "ops/cuda_graphs.py", "ops/fla_backend.py", "ops/conv_triton.py",
     "ops/cross_entropy_triton.py", "ops/distill_triton.py",
     "parallel.py",
 )

@@ -15,18 +15,20 @@ from .rope import positions_of
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight. Given ``residual`` (the fused residual form, hybridtitan.ops.residual), it returns
-    (RMSNorm(x + residual), x + residual) from one kernel, as FLA's norms do."""
+    """x / rms(x) * weight, of x + ``residual`` where one is given; ``prenorm``: (the norm, the sum), as FLA's
+    norms give them (the add and the norm one kernel where ``Kernels.add_rms_norm`` has one)."""
 
     def __init__(self, dim: int, eps: float = 1e-6, kernels: Kernels = ops.DEFAULT):
         super().__init__()
         self.eps, self.ops = eps, kernels
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, prenorm: bool = False):
         if residual is None:
-            return self.ops.rms_norm(x, self.weight, self.eps)
-        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+            normed, total = self.ops.rms_norm(x, self.weight, self.eps), x
+        else:
+            normed, total = self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+        return (normed, total) if prenorm else normed
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

@@ -4,6 +4,9 @@
     h_i = h_{i-1} + f_i(RMSNorm_i(h_{i-1}))      f_i: attention ('*'), the mixer ('M') or SwiGLU ('-')
     logits = RMSNorm(h_n) W_out^T                (W_out = E with tied embeddings)
 
+Each sublayer hands on the stream as a pair whose sum it is, (f_i(...), h_{i-1}), and the next sublayer's norm
+adds them (FLA's ``norm(h, residual, prenorm=True)``): the add and the norm can then be one kernel.
+
 Plain nn.Modules: no device, parallelism or kernel choice here (hybridtitan.parallel wraps the sublayers from
 outside; the ``kernels`` given at build time pick every kernel, hybridtitan.ops). Build on the meta device, move
 to a device with ``to_empty``, then call ``init_weights``.
@@ -55,8 +58,11 @@ class Sublayer(nn.Module):
         """f: the attention, mixer or MLP."""
         return getattr(self, BODY_NAMES[self.kind])
 
-    def forward(self, x: torch.Tensor, cu_seqlens=None, cache=None, rows: int = 1, context=None) -> torch.Tensor:
-        return x + self.body(self.norm(x), cu_seqlens=cu_seqlens, cache=cache, rows=rows, context=context)
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None = None, cu_seqlens=None, cache=None,
+                rows: int = 1, context=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x = h + residual (h alone where ``residual`` is None) -> (f(RMSNorm(x)), x), whose sum is the output."""
+        normed, residual = self.norm(h, residual, prenorm=True)
+        return self.body(normed, cu_seqlens=cu_seqlens, cache=cache, rows=rows, context=context), residual
 
 
 class LayerState(MutableMapping):
@@ -164,27 +170,25 @@ class HybridLM(nn.Module):
         """Final-normed hidden states [B, T, D]. With ``cu_seqlens`` (boundaries over the B * T tokens, rows
         included), documents are isolated: no state or attention crosses a boundary. A ``collect`` list receives
         the residual stream entering each sublayer, then the final-normed states (transformers' hidden_states).
-        (Under the fused residual kernels, hybridtitan.ops.residual, the stream between two sublayers is carried
-        as a pair whose sum it is.)
 
         ``context``: context parallelism's shard of this rank (hybridtitan.ops.context_parallel.ContextShard):
         ``input_ids`` are then the rank's part of the rows (of a packed batch: its part of the rows flattened into
         one), the documents are the shard's (no ``cu_seqlens``), and every sublayer gets it."""
         B, T = input_ids.shape
-        x, rows = self.embeddings(input_ids), 1
+        h, residual, rows = self.embeddings(input_ids), None, 1
         if context is not None and (cu_seqlens is not None or cache is not None):
             raise ValueError("a context-parallel forward takes its documents from the context: no cu_seqlens, and no "
                              "decoding cache")
         if cu_seqlens is not None:
             cu_seqlens = cu_seqlens.long()  # once per forward: the kernels index with it (loaders give int32)
             if B > 1:  # packed documents: one row of B * T tokens, the rows' starts among the boundaries
-                x, rows = x.reshape(1, B * T, -1), B
+                h, rows = h.reshape(1, B * T, -1), B
         for i, layer in enumerate(self.layers):
             if collect is not None:
-                collect.append(_summed(x).view(B, T, -1))
-            x = layer(x, cu_seqlens=cu_seqlens, cache=cache.layer(i) if cache is not None else None, rows=rows,
-                      context=context)
-        out = self.norm(x).view(B, T, -1)
+                collect.append((h if residual is None else h + residual).view(B, T, -1))
+            h, residual = layer(h, residual, cu_seqlens=cu_seqlens, cache=cache.layer(i) if cache is not None else None,
+                                rows=rows, context=context)
+        out = self.norm(h, residual).view(B, T, -1)
         if collect is not None:
             collect.append(out)
         return out
@@ -227,11 +231,11 @@ class HybridLM(nn.Module):
         out = []
         for block in self.blocks():
             x = streams[block.start].reshape(1, B * T, -1) if rows > 1 else streams[block.start]
-            y = self.layers[block.start](x, cu_seqlens=cu_seqlens, rows=rows)
-            mixed = y[1] if isinstance(y, tuple) else y - x  # under the fused residual: (stream, branch)
+            h, residual = self.layers[block.start](x, cu_seqlens=cu_seqlens, rows=rows)
+            mixed = h  # the token-mixing sublayer's f(norm(x))
             for i in block[1:]:
-                y = self.layers[i](y, cu_seqlens=cu_seqlens, rows=rows)
-            y = _summed(y) if block.stop < len(self.layers) else self.norm(_summed(y))
+                h, residual = self.layers[i](h, residual, cu_seqlens=cu_seqlens, rows=rows)
+            y = h + residual if block.stop < len(self.layers) else self.norm(h, residual)
             out.append((y.view(B, T, -1), mixed.view(B, T, -1)))
         return out
 
@@ -240,11 +244,6 @@ class HybridLM(nn.Module):
         """The reference initialisation of every module (see ``init_module``)."""
         for module in self.modules():
             init_module(module, self.args.init_std)
-
-
-def _summed(x):
-    """The residual stream, where the fused residual kernels carry it as a pair (x, branch) whose sum it is."""
-    return x[0] + x[1] if isinstance(x, tuple) else x
 
 
 @torch.no_grad()

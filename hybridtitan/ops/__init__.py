@@ -42,8 +42,8 @@ class KernelConfig:
     """The PyTorch reference on every device (parity checks against the GPU kernels)"""
 
     fused_residual: bool = False
-    """Each sublayer's residual add done inside the next RMSNorm's kernel (hybridtitan.ops.residual): one pass
-    over the residual stream less per sublayer, forward and backward"""
+    """Each sublayer's residual add done inside the next RMSNorm's kernel (``add_rms_norm``): one pass over the
+    residual stream less per sublayer, forward and backward"""
 
     compiled_norms: bool = False
     """RMSNorm, with the residual add fused into it, through torch.compile (any device) instead of FLA's kernel"""
@@ -271,8 +271,11 @@ class Kernels:
         return reference.rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x, residual, weight, eps):
-        """(rms_norm(x + residual), x + residual): a pre-norm block's residual add and the next norm in one kernel
-        (forward and backward), instead of a separate pass over the residual stream for the add."""
+        """(rms_norm(x + residual), x + residual): with ``fused_residual`` a pre-norm block's residual add and the
+        next norm in one kernel (forward and backward), else the add a pass over the residual stream of its own."""
+        if not self.config.fused_residual:
+            total = x + residual
+            return self.rms_norm(total, weight, eps), total
         if self._compiles_norms():
             return _compiled_unless_tracing(_add_rms_norm_eager)(x, residual, weight, eps)
         if self.backend_for(x) == "fla":
