@@ -171,13 +171,13 @@ def main(argv: list[str] | None = None) -> None:
         if rank:
             logging.getLogger("lm_eval").setLevel(logging.WARNING)
     try:
-        _evaluate_main(args, tasks, task_manager, device, dtype, world, rank, tuned)
+        _evaluate_main(args, tasks, task_manager, device=device, dtype=dtype, world=world, rank=rank, tuned=tuned)
     finally:
         if world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
 
-def _evaluate_main(args, tasks, task_manager, device: str, dtype: str, world: int, rank: int, tuned) -> None:
+def _evaluate_main(args, tasks, task_manager, *, device: str, dtype: str, world: int, rank: int, tuned) -> None:
     """The evaluation itself; ``tuned``: the kernel configurations in use (hybridtitan.ops.kernel_configs.Choice)."""
     from hybridtitan.loader import load
 

@@ -2,12 +2,13 @@
 
     plan = preflight(cfg)        # ConfigError (one line, exit code 2) on any problem
 
-It works out the data-parallel and context-parallel layout, the gradient accumulation, the model, the tokenizer
-and the data loader, and chooses the checkpoint the run starts from, once: the run's own latest complete step (or
-``checkpoint.load_step``), else ``checkpoint.initial_load_path``, else none. That checkpoint must exist, hold this
-model (hybridtitan.model_folder), fit this run's data loader and match its run record (hybridtitan.run_record: the
-tokenizer and data it was trained with); a rewind that a later resume would undo is refused.
-"""
+Four planners, each a frozen part of the plan: ``plan_layout`` (the data-parallel and context-parallel layout, the
+gradient accumulation), ``plan_model`` (the model, its kernel configurations and float8 linears), ``plan_data``
+(the tokenizer, the data loader, the held-out set) and ``plan_start``, which chooses the checkpoint the run starts
+from, once: the run's own latest complete step (or ``checkpoint.load_step``), else ``checkpoint.initial_load_path``,
+else none. That checkpoint must exist, hold this model (hybridtitan.model_folder), fit this run's data loader and
+match its run record (hybridtitan.run_record: the tokenizer and data it was trained with); a rewind that a later
+resume would undo is refused."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from hybridtitan.float8 import (
     float8_warnings,
     plan_float8,
 )
+from hybridtitan.job_config import JobConfig
 from hybridtitan.lr_schedule import SCHEDULE_KEYS, schedule_shape
 from hybridtitan.model_folder import read_folder
 from hybridtitan.models import ModelArgs, build_model
@@ -58,33 +60,80 @@ class StartPoint:
     ignored_initial_load_path: bool = False  # the run's own checkpoint won over checkpoint.initial_load_path
 
 
-@dataclasses.dataclass
-class Plan:
-    """What the checks before any side effect worked out."""
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How the ranks share the work."""
 
     device: torch.device
     world_size: int
     dp: DataParallel
+    dp_rank: int  # this rank's data-parallel rank: the context-parallel ranks of a group read the same batches
+    cp: int  # context parallelism's degree: consecutive ranks that split each sequence (same batch)
+    cp_layout: str  # hybridtitan.ops.context_parallel's layout of a split sequence
+    global_batch: int
     grad_accum: int
-    model_args: ModelArgs
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPlan:
+    """The model the run trains, and how its kernels and linears run."""
+
+    args: ModelArgs
+    kernel_configs: kernel_configs.Choice  # the tuned kernel configurations the run uses
+    float8: Float8Conversion | None  # the linears float8 training converts (model.converters)
+    warnings: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataPlan:
+    """What the run reads."""
+
     tokenizer: Any
     dataloader: Any
-    seed: int
-    start: StartPoint | None
     held_out: HeldOut | None  # the validation set, where validation.enable
-    teacher: Teacher | None = None  # the distillation teacher, where [distill] names one
-    warnings: tuple[str, ...] = ()  # what the run's log says before training, once logging is set up
-    reads: str = ""  # what the run reads: files, documents, tokens and the epochs the schedule makes of them
-    lr_scheduler: Any = None  # the [lr_scheduler] in force: the recipe's, or a resumed checkpoint's shape
-    float8: Float8Conversion | None = None  # the linears float8 training converts (model.converters)
-    cp: int = 1  # context parallelism's degree: consecutive ranks that split each sequence (same batch)
-    cp_layout: str = "zigzag"  # hybridtitan.ops.context_parallel's layout of a split sequence
-    dp_rank: int = 0  # this rank's data-parallel rank: the context-parallel ranks of a group read the same batches
-    kernel_configs: kernel_configs.Choice | None = None  # the tuned kernel configurations the run uses
+    seed: int
+    reads: str  # files, documents, tokens and the epochs the schedule makes of them
+    warnings: tuple[str, ...]
 
 
-def preflight(cfg) -> Plan:
+@dataclasses.dataclass(frozen=True)
+class StartPlan:
+    """Where the run starts."""
+
+    checkpoint: StartPoint | None
+    lr_scheduler: Any  # the [lr_scheduler] in force: the recipe's, or a resumed checkpoint's shape
+    warnings: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the checks before any side effect worked out."""
+
+    layout: Layout
+    model: ModelPlan
+    data: DataPlan
+    teacher: Teacher | None  # the distillation teacher, where [distill] names one
+    start: StartPlan
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """What the run's log says before training, once logging is set up."""
+        teacher = (self.teacher.warning,) if self.teacher is not None and self.teacher.warning else ()
+        return self.data.warnings + teacher + self.model.warnings + self.start.warnings
+
+
+def preflight(cfg: JobConfig) -> Plan:
     """Every check that can fail on the user's input, before a process group, a folder or a file is made."""
+    layout = plan_layout(cfg)
+    model = plan_model(cfg, layout)
+    data = plan_data(cfg, layout, model.args)
+    teacher = check_teacher(cfg, model.args, data.tokenizer)
+    return Plan(layout=layout, model=model, data=data, teacher=teacher,
+                start=plan_start(cfg, model.args, data.tokenizer))
+
+
+def plan_layout(cfg: JobConfig) -> Layout:
+    """The data-parallel and context-parallel layout of the ranks, and the gradient accumulation."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cp, cp_layout = context_parallel_plan(cfg, world_size)
@@ -94,21 +143,32 @@ def preflight(cfg) -> Plan:
     except ValueError as e:
         raise ConfigError(str(e) + (f" (the data-parallel ranks: {world_size} / context_parallel_degree {cp})"
                                     if cp > 1 else "")) from None
-    dp_rank = int(os.environ.get("RANK", "0")) // cp
     t = cfg.training
     per_step = t.local_batch_size * dp.size
     global_batch = per_step if t.global_batch_size == -1 else t.global_batch_size
     if global_batch % per_step:
         raise ConfigError(f"training.global_batch_size ({global_batch}) is not divisible by local_batch_size x "
                           f"data-parallel size ({t.local_batch_size} x {dp.size} = {per_step})")
-    args = model_args(cfg)
-    check_context_parallel_model(cfg, args, cp)
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    float8, float8_warnings_ = float8_plan(cfg, args, dp, device, cp)
+    return Layout(device=device, world_size=world_size, dp=dp, dp_rank=int(os.environ.get("RANK", "0")) // cp,
+                  cp=cp, cp_layout=cp_layout, global_batch=global_batch, grad_accum=global_batch // per_step)
+
+
+def plan_model(cfg: JobConfig, layout: Layout) -> ModelPlan:
+    """The model's arguments, checked against the layout; its kernel configurations and float8 linears."""
+    args = model_args(cfg)
+    check_context_parallel_model(cfg, args, layout.cp)
+    float8, warnings = float8_plan(cfg, args, layout.dp, layout.device, layout.cp)
     try:
-        tuned = kernel_configs.choose(t.kernel_configs, device)
+        tuned = kernel_configs.choose(cfg.training.kernel_configs, layout.device)
     except kernel_configs.KernelConfigError as e:
         raise ConfigError(str(e)) from None
+    return ModelPlan(args=args, kernel_configs=tuned, float8=float8, warnings=tuple(warnings))
+
+
+def plan_data(cfg: JobConfig, layout: Layout, args: ModelArgs) -> DataPlan:
+    """The tokenizer, the training data's loader and the held-out set, checked against what prepared them."""
+    t = cfg.training
     tokenizer = None
     needs_tokenizer = cfg.data.source != "mock" or cfg.eval.tasks or (
         cfg.validation.enable and cfg.validation.data.source != "mock")
@@ -121,44 +181,43 @@ def preflight(cfg) -> Plan:
     try:  # the ranks of a context-parallel group read the same batches (each keeps its part of every row)
         dataloader = build_dataloader(
             cfg.data, tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
-            dp_rank=dp_rank, dp_world_size=dp.size, seed=seed, vocab_size=args.vocab_size,
+            dp_rank=layout.dp_rank, dp_world_size=layout.dp.size, seed=seed, vocab_size=args.vocab_size,
             eod_mask_loss=t.eod_mask_loss)
         held_out = None
         if cfg.validation.enable:
             v = cfg.validation
             held_out = HeldOut(held_out_data(cfg), tokenizer, seq_len=v.seq_len or t.seq_len,
                                local_batch_size=v.local_batch_size or t.local_batch_size,
-                               dp_rank=dp_rank, dp_world_size=dp.size,
+                               dp_rank=layout.dp_rank, dp_world_size=layout.dp.size,
                                vocab_size=args.vocab_size, eod_mask_loss=t.eod_mask_loss)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    try:
-        data_warnings = check_data_files(cfg, tokenizer)
+        warnings = check_data_files(cfg, tokenizer)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cfg.eval.tasks:
         check_eval_tasks(cfg)
-    teacher = check_teacher(cfg, args, tokenizer)
-    start = choose_start(cfg)
-    warnings = data_warnings + ([teacher.warning] if teacher is not None and teacher.warning else []) + \
-        float8_warnings_
+    return DataPlan(tokenizer=tokenizer, dataloader=dataloader, held_out=held_out, seed=seed,
+                    reads=what_the_run_reads(cfg, layout.global_batch), warnings=tuple(warnings))
+
+
+def plan_start(cfg: JobConfig, args: ModelArgs, tokenizer) -> StartPlan:
+    """The checkpoint the run starts from, checked against the model and the run record, and the schedule in force."""
+    checkpoint = choose_start(cfg)
+    warnings = []
     unread = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
     if not cfg.checkpoint.enable and complete_steps(unread):
         warnings.append(f"checkpoint.enable is false: the checkpoints in {unread} (steps "
                         f"{', '.join(map(str, complete_steps(unread)))}) are not loaded, and the model starts from its "
                         "random initialisation")
-    if start is not None:
-        check_start(cfg, start, args)
+    if checkpoint is not None:
+        check_start(cfg, checkpoint, args)
         if tokenizer is not None and not cfg.checkpoint.allow_tokenizer_change:
-            run_record.check_tokenizer(start.step_dir, cfg.data, tokenizer)
-    lr_scheduler, kept = schedule_in_force(cfg, start)
-    warnings += [kept] if kept else []
-    return Plan(device, world_size, dp, global_batch // per_step, args, tokenizer, dataloader, seed, start,
-                held_out, teacher, tuple(warnings), what_the_run_reads(cfg, global_batch), lr_scheduler, float8,
-                cp=cp, cp_layout=cp_layout, dp_rank=dp_rank, kernel_configs=tuned)
+            run_record.check_tokenizer(checkpoint.step_dir, cfg.data, tokenizer)
+    lr_scheduler, kept = schedule_in_force(cfg, checkpoint)
+    return StartPlan(checkpoint=checkpoint, lr_scheduler=lr_scheduler,
+                     warnings=tuple(warnings + ([kept] if kept else [])))
 
 
-def context_parallel_plan(cfg, world_size: int) -> tuple[int, str]:
+def context_parallel_plan(cfg: JobConfig, world_size: int) -> tuple[int, str]:
     """(degree, layout) of context parallelism (parallelism.context_parallel_degree, _load_balancer), refused in
     one line where it cannot run: a degree that does not divide the ranks, sequences that do not cut into
     2 x degree equal chunks, and what has not been made to work with it yet."""
@@ -182,13 +241,13 @@ def context_parallel_plan(cfg, world_size: int) -> tuple[int, str]:
     return cp, layout
 
 
-def split_sequence_lengths(cfg) -> list[tuple[str, int]]:
+def split_sequence_lengths(cfg: JobConfig) -> list[tuple[str, int]]:
     """(key, length) of each sequence a context-parallel run splits: the training one, and the held-out one."""
     t, v = cfg.training, cfg.validation
     return [("training.seq_len", t.seq_len)] + ([("validation.seq_len", v.seq_len or t.seq_len)] if v.enable else [])
 
 
-def check_context_parallel_model(cfg, args: ModelArgs, cp: int) -> None:
+def check_context_parallel_model(cfg: JobConfig, args: ModelArgs, cp: int) -> None:
     """Each chunk of a split sequence must hold a short convolution's halo (its width - 1 previous inputs)."""
     if cp == 1 or "M" not in args.pattern:
         return
@@ -200,7 +259,7 @@ def check_context_parallel_model(cfg, args: ModelArgs, cp: int) -> None:
                           "longer sequences or a lower degree")
 
 
-def float8_plan(cfg, args: ModelArgs, dp: DataParallel, device: torch.device, cp: int = 1
+def float8_plan(cfg: JobConfig, args: ModelArgs, dp: DataParallel, device: torch.device, cp: int = 1
                 ) -> tuple[Float8Conversion | None, list[str]]:
     """Float8 training (model.converters): refused in one line where it cannot run; otherwise which linears
     convert, decided on a model of the meta device, and what the log says of it."""
@@ -220,7 +279,7 @@ def float8_plan(cfg, args: ModelArgs, dp: DataParallel, device: torch.device, cp
     return conversion, warnings
 
 
-def schedule_in_force(cfg, start: StartPoint | None) -> tuple[Any, str | None]:
+def schedule_in_force(cfg: JobConfig, start: StartPoint | None) -> tuple[Any, str | None]:
     """The learning-rate schedule the run follows, and what the log says of it. A resumed schedule goes on as it
     was saved: its step comes from the checkpoint, and so does its shape (warm-up, length, decay) where the
     recipe's values differ (a longer run, whose schedule follows training.steps, say), which would otherwise bend
@@ -245,7 +304,7 @@ def schedule_in_force(cfg, start: StartPoint | None) -> tuple[Any, str | None]:
             f"lr_scheduler: {changed}: the checkpoint's schedule goes on, held past its end {NEW_SCHEDULE}")
 
 
-def check_data_files(cfg, tokenizer) -> list[str]:
+def check_data_files(cfg: JobConfig, tokenizer) -> list[str]:
     """The training and held-out data against what prepared them, before anything is written: no training file
     that is also held out (a glob that takes in the validation shards), and Megatron shards checked against their
     manifests (data.manifest.check_shards). ValueError (one line); returns the warnings to log."""
@@ -269,7 +328,7 @@ def fingerprint(tokenizer) -> str | None:
     return vocabulary_fingerprint(tokenizer) if tokenizer is not None else None
 
 
-def what_the_run_reads(cfg, global_batch: int) -> str:
+def what_the_run_reads(cfg: JobConfig, global_batch: int) -> str:
     """One line for the log: the training data's files, documents and tokens, and the epochs of it that
     training.steps x the global batch x seq_len make (packing adds an EOD after every document)."""
     planned = cfg.training.steps * global_batch * cfg.training.seq_len
@@ -289,7 +348,7 @@ def what_the_run_reads(cfg, global_batch: int) -> str:
             f"{planned / max(per_epoch, 1):.2f} epochs")
 
 
-def check_eval_tasks(cfg) -> None:
+def check_eval_tasks(cfg: JobConfig) -> None:
     """The [eval] tasks exist (lm-eval's, or in eval.include_path): said now, not after hours of training."""
     from hybridtitan.evaluation import EvalError, task_manager_for
 
@@ -301,7 +360,7 @@ def check_eval_tasks(cfg) -> None:
         raise ConfigError(f"eval.tasks: {e}") from None
 
 
-def choose_start(cfg) -> StartPoint | None:
+def choose_start(cfg: JobConfig) -> StartPoint | None:
     """The checkpoint the run starts from: its own folder's (the latest complete step, or checkpoint.load_step)
     first, then checkpoint.initial_load_path; refused where that would lose or undo work."""
     c = cfg.checkpoint
@@ -322,7 +381,7 @@ def choose_start(cfg) -> StartPoint | None:
     return start
 
 
-def _start_in(cfg, folder: str, steps: list[int]) -> StartPoint | None:
+def _start_in(cfg: JobConfig, folder: str, steps: list[int]) -> StartPoint | None:
     c = cfg.checkpoint
     if c.enable and c.load_step > 0:
         try:
@@ -359,7 +418,7 @@ def _start_in(cfg, folder: str, steps: list[int]) -> StartPoint | None:
     return None
 
 
-def check_start(cfg, start: StartPoint, args: ModelArgs) -> None:
+def check_start(cfg: JobConfig, start: StartPoint, args: ModelArgs) -> None:
     """The starting checkpoint holds this model, and its data loader state fits this run's loader and data."""
     try:
         saved = read_folder(start.step_dir).args
@@ -379,7 +438,7 @@ def check_start(cfg, start: StartPoint, args: ModelArgs) -> None:
         run_record.check_data(start.step_dir, cfg.data)
 
 
-def changed_settings(cfg, step_dir: str, keys: tuple[str, ...]) -> list[tuple[str, object, object]]:
+def changed_settings(cfg: JobConfig, step_dir: str, keys: tuple[str, ...]) -> list[tuple[str, object, object]]:
     """The job-config keys ("section.name") whose value in the step folder's job config differs from this run's, as
     (key, the checkpoint's, this run's); none where it has no job config to compare with (written by other tools)."""
     try:

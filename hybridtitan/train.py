@@ -213,7 +213,7 @@ class Trainer:
     """A training run: built from a checked config, then ``train()``."""
 
     def __init__(self, cfg, plan: Plan):
-        self.cfg, self.plan, self.device = cfg, plan, plan.device
+        self.cfg, self.plan, self.device = cfg, plan, plan.layout.device
         t = cfg.training
         if self.device.type == "cuda" and t.expandable_segments:
             # from the recipe, before the first allocation; fragmentation otherwise costs the larger batches
@@ -224,15 +224,15 @@ class Trainer:
         for warning in plan.warnings:
             logger.warning(warning)
         # tuned kernel configurations, before anything imports FLA (its kernels are defined at its import)
-        logger.info(plan.kernel_configs.message)
+        logger.info(plan.model.kernel_configs.message)
         if self.device.type == "cuda":
-            kernel_configs.activate(plan.kernel_configs)
-        torch.manual_seed(plan.seed)
+            kernel_configs.activate(plan.model.kernel_configs)
+        torch.manual_seed(plan.data.seed)
         if cfg.debug.deterministic:
             torch.use_deterministic_algorithms(True)
 
         # the model (and a distillation teacher beside it)
-        args = plan.model_args
+        args = plan.model.args
         self.flops_per_token = training_flops_per_token(args, t.seq_len, cfg.distill, plan.teacher)
         self._describe_run()
         on_gpu = self.device.type == "cuda"
@@ -240,15 +240,15 @@ class Trainer:
             logger.info("CPU: parameters and activations in float32 (training.mixed_precision_param applies to GPUs)")
         # context parallelism: each sequence split over consecutive ranks (their group made first, on every rank
         # in the same order); FSDP shards over all ranks, data parallel and CP (hybridtitan.parallel)
-        self.cp_group = context_parallel_group(plan.cp) if plan.cp > 1 else None
-        self.mesh = build_mesh(plan.dp, self.device.type, plan.cp)
+        self.cp_group = context_parallel_group(plan.layout.cp) if plan.layout.cp > 1 else None
+        self.mesh = build_mesh(plan.layout.dp, self.device.type, plan.layout.cp)
         kernels = ops.Kernels(kernel_config(cfg, self.device))
         param_dtype = getattr(torch, t.mixed_precision_param) if on_gpu else torch.float32
         self.model = build_parallel_model(
             args, self.mesh, self.device, kernels=kernels, ac_mode=cfg.activation_checkpoint.mode,
             ac_every=selective_ac_interval(cfg), compile_model=compiles(cfg, "model"), param_dtype=param_dtype,
-            reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward, float8=plan.float8)
-        for line in plan.float8.summary() if plan.float8 is not None else []:
+            reshard_after_forward=cfg.parallelism.fsdp_reshard_after_forward, float8=plan.model.float8)
+        for line in plan.model.float8.summary() if plan.model.float8 is not None else []:
             logger.info(line)
         self.distiller = Distiller(cfg.distill, plan.teacher, self.mesh, self.device, kernels, param_dtype) \
             if plan.teacher is not None else None
@@ -258,22 +258,22 @@ class Trainer:
 
         # the optimizer, the data, the checkpoints
         self.optimizer = build_optimizer(self.model, cfg)
-        self.lr_scheduler = LRSchedule(self.optimizer, plan.lr_scheduler, cfg.training.steps)
-        self.dataloader = plan.dataloader
+        self.lr_scheduler = LRSchedule(self.optimizer, plan.start.lr_scheduler, cfg.training.steps)
+        self.dataloader = plan.data.dataloader
         self.state = TrainState()
         self.job_dict = to_dict(cfg)
         self.job_dict["data"]["tokenizer"] = recorded_path(cfg.data.tokenizer)  # export/eval may run elsewhere
-        self.job_dict["lr_scheduler"] = dataclasses.asdict(plan.lr_scheduler)  # the schedule in force
-        self.job_dict.update(run_record.record(cfg.data, plan.tokenizer))  # the run record a resume compares
+        self.job_dict["lr_scheduler"] = dataclasses.asdict(plan.start.lr_scheduler)  # the schedule in force
+        self.job_dict.update(run_record.record(cfg.data, plan.data.tokenizer))  # the run record a resume compares
         c = cfg.checkpoint
         self.checkpointer = CheckpointManager(
             os.path.join(cfg.job.dump_folder, c.folder), model=self.model, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, dataloader=self.dataloader, train_state=self.state,
-            dp_rank=plan.dp_rank, dp_world_size=plan.dp.size, model_args=args, job_config=self.job_dict,
+            dp_rank=plan.layout.dp_rank, dp_world_size=plan.layout.dp.size, model_args=args, job_config=self.job_dict,
             interval=c.interval, keep_latest_k=c.keep_latest_k, async_mode=c.async_mode, enable=c.enable,
             first_step=c.enable_first_step_checkpoint, exclude_from_loading=tuple(c.exclude_from_loading))
         try:
-            resume(cfg, plan.start, self.checkpointer, self.state)
+            resume(cfg, plan.start.checkpoint, self.checkpointer, self.state)
             self.batches = iter(self.dataloader)  # where the loader applies its resumed state (and refuses one)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 -- DCP's errors, or the loader's
             logger.debug("resume failed", exc_info=True)
@@ -295,20 +295,21 @@ class Trainer:
         self.stop = StopRequest()
         self.reports = HostReports(self.device, self.state)
         self.window = LogWindow(self.state.step)
-        self.tokens_per_step_local = t.local_batch_size * t.seq_len * plan.grad_accum
+        self.tokens_per_step_local = t.local_batch_size * t.seq_len * plan.layout.grad_accum
         self.last_logged: dict = {}
 
     def _describe_run(self) -> None:
-        cfg, plan, args = self.cfg, self.plan, self.plan.model_args
+        cfg, plan, args = self.cfg, self.plan, self.plan.model.args
         counts = param_counts(args)
         logger.info(f"model {cfg.model.flavor}: pattern {args.pattern} ({args.mixer}), {counts['total']:,} "
                     f"parameters ({counts['non_embedding']:,} non-embedding), {self.flops_per_token / 1e9:.3f} "
                     "GFLOP/token (training)")
-        cp = f", context parallel {plan.cp} ({plan.cp_layout})" if plan.cp > 1 else ""
-        logger.info(f"{plan.world_size} rank(s) on {self.device.type}: data parallel replicate {plan.dp.replicate} x "
-                    f"shard {plan.dp.shard}{cp}, local batch {cfg.training.local_batch_size} x seq "
-                    f"{cfg.training.seq_len}, gradient accumulation {plan.grad_accum}")
-        logger.info(plan.reads)
+        ranks = plan.layout
+        cp = f", context parallel {ranks.cp} ({ranks.cp_layout})" if ranks.cp > 1 else ""
+        logger.info(f"{ranks.world_size} rank(s) on {self.device.type}: data parallel replicate {ranks.dp.replicate} x "
+                    f"shard {ranks.dp.shard}{cp}, local batch {cfg.training.local_batch_size} x seq "
+                    f"{cfg.training.seq_len}, gradient accumulation {ranks.grad_accum}")
+        logger.info(plan.data.reads)
         if self.device.type == "cuda" and args.mixer == "mamba2":
             from hybridtitan.ops.fla_backend import MIN_TRAINED_HEAD_DIM
 
@@ -326,11 +327,12 @@ class Trainer:
         so autotuned in this process (each rank alone)."""
         if self.device.type != "cuda":
             return
-        tuned = kernel_configs.autotuned_here(self.plan.kernel_configs)
-        if tuned and self.plan.kernel_configs.folder is not None:
+        choice = self.plan.model.kernel_configs
+        tuned = kernel_configs.autotuned_here(choice)
+        if tuned and choice.folder is not None:
             logger.warning(f"{len(tuned)} kernels autotuned at shapes the kernel configurations do not hold "
                            f"({', '.join(tuned[:8])}{', ...' if len(tuned) > 8 else ''}); record them: "
-                           f"python -m hybridtitan.tune with this recipe and --output {self.plan.kernel_configs.path}")
+                           f"python -m hybridtitan.tune with this recipe and --output {choice.path}")
         elif tuned:
             logger.info(f"{len(tuned)} kernels autotuned in the first step; python -m hybridtitan.tune with this "
                         "recipe records their choices, for training.kernel_configs")
@@ -370,13 +372,13 @@ class Trainer:
         over the counted tokens of the global batch (all micro-batches of all ranks), so a split into more
         micro-batches or ranks gives the same step. Under context parallelism each rank holds its part of every
         row (``rank_part``): the counts and loss sums of its parts add up, over the ranks, to the whole batch's."""
-        t, accum = self.cfg.training, self.plan.grad_accum
+        t, accum = self.cfg.training, self.plan.layout.grad_accum
         batches = [self.rank_part(next(self.batches)) for _ in range(accum)]
         counted = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches)
         dist.all_reduce(counted)  # the global batch's
         # FSDP averages the gradients over all its ranks (data and context parallel): each micro-batch's sum over
         # the mean count per micro-batch and rank
-        per_micro_batch = (counted / (self.plan.dp.size * self.plan.cp * accum)).clamp(min=1)
+        per_micro_batch = (counted / (self.plan.layout.dp.size * self.plan.layout.cp * accum)).clamp(min=1)
         loss_total = torch.zeros((), device=self.device)
         parts: dict[str, torch.Tensor] = {}
         for b in batches:
@@ -389,12 +391,12 @@ class Trainer:
         grad_norm = clip_grad_norm_(self.model.parameters(), t.max_norm)
         # the gradient norm is already reduced over all ranks, so every rank makes the same choice
         applied = optimizer_step(self.optimizer, grad_norm)
-        if self.plan.float8 is not None:  # float8 all-gather: the next step's weight scales, in one all-reduce
-            precompute_float8_scales(self.model, self.plan.float8)
+        if self.plan.model.float8 is not None:  # float8 all-gather: the next step's weight scales, in one all-reduce
+            precompute_float8_scales(self.model, self.plan.model.float8)
         lr = self.optimizer.param_groups[0]["lr"]
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.state.tokens_seen += self.tokens_per_step_local * self.plan.dp.size
+        self.state.tokens_seen += self.tokens_per_step_local * self.plan.layout.dp.size
         return StepResult(loss_total, grad_norm, applied, lr, counted, parts)
 
     def losses(self, batch: dict) -> list[tuple[torch.Tensor, dict]]:
@@ -416,7 +418,7 @@ class Trainer:
         shard), cut on the host so that only the part is copied."""
         if self.cp_group is None:
             return self.to_device(batch)
-        part, shard = shard_batch(batch, self.cp_group, self.plan.cp_layout, device=self.device)
+        part, shard = shard_batch(batch, self.cp_group, self.plan.layout.cp_layout, device=self.device)
         return {**self.to_device(part), "context": shard}
 
     def log_due(self, step: int) -> bool:
@@ -437,7 +439,7 @@ class Trainer:
         self.last_logged = self.metrics.log(
             step, loss=means[0], parts=dict(zip(w.part_names, means[1:])), grad_norm=result.grad_norm.item(),
             lr=result.lr,
-            tokens_per_step=self.tokens_per_step_local // self.plan.cp,  # a CP rank computes its part of them
+            tokens_per_step=self.tokens_per_step_local // self.plan.layout.cp,  # a CP rank computes its part of them
             window_steps=step - w.start_step,
             window_time=time.perf_counter() - w.start_time, tokens_seen=self.state.tokens_seen,
             skipped_steps=self.state.skipped_steps, loss_tokens=int(result.loss_tokens.item()))
@@ -445,7 +447,7 @@ class Trainer:
 
     def maybe_validate(self, step: int) -> None:
         """The held-out loss every validation.freq steps and at the end (or a stop), where validation is on."""
-        if self.plan.held_out is None:
+        if self.plan.data.held_out is None:
             return
         if step % self.cfg.validation.freq and step != self.cfg.training.steps and not self.reports.stopping:
             return
@@ -460,7 +462,7 @@ class Trainer:
         steps = self.cfg.validation.steps
         self.model.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)
-        for i, (batch, shard_ended) in enumerate(self.plan.held_out.batches()):
+        for i, (batch, shard_ended) in enumerate(self.plan.data.held_out.batches()):
             b = self.rank_part(batch)
             if self.distiller is not None:
                 loss_sum, kl_sum, count = self.distiller.held_out(self.model, b)
@@ -502,7 +504,7 @@ class Trainer:
         from hybridtitan.evaluation import evaluate_live
 
         start = time.perf_counter()
-        results = evaluate_live(self.model, self.plan.tokenizer, e.tasks, include_path=e.include_path or None,
+        results = evaluate_live(self.model, self.plan.data.tokenizer, e.tasks, include_path=e.include_path or None,
                                 limit=e.limit, num_fewshot=e.num_fewshot, batch_size=e.batch_size,
                                 max_length=self.cfg.training.seq_len, device=self.device)
         self.metrics.log_eval(step, results, seconds=time.perf_counter() - start)

@@ -133,9 +133,9 @@ def main(argv: list[str] | None = None) -> None:
         if not own.retune and os.path.exists(os.path.join(output, kernel_configs.RECORD)):
             # the shapes recorded already keep their configurations (exact keys only): only new ones autotune
             kept = kernel_configs.read_folder(output)
-            plan = dataclasses.replace(plan, kernel_configs=kernel_configs.Choice(
+            plan = dataclasses.replace(plan, model=dataclasses.replace(plan.model, kernel_configs=kernel_configs.Choice(
                 output, kept, f"kernel configurations: {output}'s {kept.entries()} recorded shapes kept, every other "
-                              "shape autotunes (--retune: all of them)", mode="strict"))
+                              "shape autotunes (--retune: all of them)", mode="strict")))
         from hybridtitan.train import Trainer
 
         started = time.perf_counter()
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             trainer.train()
             if own.decode:
-                run_decoding(plan.model_args, device)
+                run_decoding(plan.model.args, device)
         except Stopped:
             stopped = True
         finally:
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
             trainer.close(True)
     seconds = time.perf_counter() - started
     recorded = {"recipe": recipe.job.config_file, "argv": recipe_argv, "decode": own.decode,
-                "pattern": plan.model_args.pattern,
+                "pattern": plan.model.args.pattern,
                 "local_batch_size": cfg.training.local_batch_size, "seq_len": cfg.training.seq_len,
                 "document_boundaries": cfg.data.document_boundaries, "seconds": round(seconds, 1),
                 "complete": not stopped}

@@ -194,7 +194,7 @@ def test_resume_with_parts_left_out_steps_at_the_schedules_rate(tmp_path, capsys
 
     def starts(name: str, *extra: str) -> bool:
         cfg = parse_config(["--job.config_file", RECIPE, "--job.dump_folder", str(from_step_4(name)), *args, *extra])
-        return preflight(cfg).start is not None
+        return preflight(cfg).start.checkpoint is not None
 
     assert starts("moved", "--data.path", str(moved))
     assert starts("new_data", "--data.path", str(fewer), "--checkpoint.exclude_from_loading", "dataloader")

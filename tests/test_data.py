@@ -688,7 +688,7 @@ def test_the_trainer_refuses_data_it_cannot_trust(tmp_path, tok_dir, corpus, cap
                                    "10", "--training.seq_len", "64", "--training.global_batch_size", "8",
                                    "--training.local_batch_size", "8"]))
     epochs = 10 * 8 * 64 / (made["tokens"] + made["documents"])
-    assert plan.reads == (f"data: 1 file(s), {made['documents']:,} documents, {made['tokens']:,} tokens; the run "
+    assert plan.data.reads == (f"data: 1 file(s), {made['documents']:,} documents, {made['tokens']:,} tokens; the run "
                           f"reads 5,120 tokens (10 steps x 8 x 64): {epochs:.2f} epochs")
 
     files = [str(p) for p in sorted(out.parent.glob("corpus_*"))]

@@ -34,14 +34,13 @@ def test_simple_gla_pads_small_head_dims_exactly_in_training(monkeypatch, scale,
     def run(fn):
         for x in inputs:
             x.grad = None
-        o, state = fn(*inputs[:4], scale, cu, inputs[4], True)
+        o, state = fn(*inputs[:4], scale, cu_seqlens=cu, initial_state=inputs[4], output_final_state=True)
         (o.sum() + state.pow(2).sum()).backward()
         return o.detach(), state.detach(), [x.grad.clone() for x in inputs]
 
     padded = run(fla_backend.simple_gla)
     assert seen == [(fla_backend.MIN_TRAINED_HEAD_DIM, fla_backend.MIN_TRAINED_HEAD_DIM)]
-    plain = run(lambda q, k, v, g, s, c, h, f: reference.chunk_simple_gla(
-        q, k, v, g, scale=s, initial_state=h, output_final_state=f, cu_seqlens=c))
+    plain = run(lambda q, k, v, g, s, **kw: reference.chunk_simple_gla(q, k, v, g, scale=s, **kw))
     assert padded[0].shape == (1, T, H, V) and padded[1].shape == (n_states, H, K, V)
     # the reference kernel computes in float32 whatever its inputs: wider value blocks change the order of its
     # float32 sums, hence a float32-level relative error over each tensor (a wrong padding is off by ~1)
@@ -51,8 +50,8 @@ def test_simple_gla_pads_small_head_dims_exactly_in_training(monkeypatch, scale,
 
     seen.clear()  # calls without a backward pass (evaluation) are left as they are
     with torch.no_grad():
-        fla_backend.simple_gla(q, k, v, g, scale, cu, None, False)
-    fla_backend.simple_gla(q.detach(), k.detach(), v.detach(), g.detach(), scale, cu, None, False)
+        fla_backend.simple_gla(q, k, v, g, scale, cu_seqlens=cu)
+    fla_backend.simple_gla(q.detach(), k.detach(), v.detach(), g.detach(), scale, cu_seqlens=cu)
     assert seen == [(K, V), (K, V)]
 
 
@@ -71,7 +70,7 @@ def test_delta_rules_pass_their_chunk_size_and_decode_without_one(monkeypatch):
                  "fused_recurrent_kda"):
         monkeypatch.setattr(fla_backend, name, stand_in(name.lstrip("_").replace("triton_", "")))
     q = torch.zeros(1, 128, 2, 8, requires_grad=True)
-    args = (q, q, q, None, None, None, None, None, None, False)
+    args = (q, q, q, None, None, None, None)
     fla_backend.gated_delta_rule(*args)
     fla_backend.kda(*args)
     with torch.no_grad():
@@ -128,7 +127,7 @@ def _gdn_call_recorder(monkeypatch):
     q = torch.randn(1, 128, 2, 8, generator=gen, dtype=torch.bfloat16, requires_grad=True)
     a, b = (torch.randn(1, 128, 2, generator=gen, dtype=torch.bfloat16) for _ in range(2))
     A_log, dt_bias = torch.randn(2, generator=gen), torch.randn(2, generator=gen)
-    return calls, (q, q, q, a, b, A_log, dt_bias, None, None, False)
+    return calls, (q, q, q, a, b, A_log, dt_bias)
 
 
 def test_gdn_gate_in_float32_outside_the_kernel_on_rocm(monkeypatch):
@@ -140,7 +139,7 @@ def test_gdn_gate_in_float32_outside_the_kernel_on_rocm(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", "6.4.0")
     fla_backend.gated_delta_rule(*args)
     cuda, rocm = calls
-    q, _, _, a, b, A_log, dt_bias = args[:7]
+    q, _, _, a, b, A_log, dt_bias = args
     assert cuda["use_gate_in_kernel"] and cuda["g"] is a and cuda["A_log"] is A_log and cuda["beta"] is b
     assert not rocm["use_gate_in_kernel"] and not rocm["use_beta_sigmoid_in_kernel"] and "A_log" not in rocm
     assert rocm["g"].dtype == torch.float32

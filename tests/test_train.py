@@ -180,7 +180,7 @@ plan = preflight(cfg)
 trainer = Trainer(cfg, plan)
 rows = torch.load(os.environ["HT_TEST_BATCH"])  # [4, T + 1]
 rank, local = int(os.environ.get("RANK", "0")), cfg.training.local_batch_size
-mine = rows[rank * (len(rows) // plan.dp.size):][: len(rows) // plan.dp.size]
+mine = rows[rank * (len(rows) // plan.layout.dp.size):][: len(rows) // plan.layout.dp.size]
 collate = Collate(eos=0, document_boundaries=False, vocab_size=None, eod_mask_loss=cfg.training.eod_mask_loss)
 trainer.batches = iter([collate([{"input_ids": r[:-1], "labels": r[1:]} for r in mine[i:i + local]])
                         for i in range(0, len(mine), local)])

@@ -231,6 +231,7 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        *,
         cache: HybridCache | None = None,
         use_cache: bool | None = None,
         labels: torch.LongTensor | None = None,

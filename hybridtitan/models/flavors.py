@@ -19,7 +19,7 @@ MLA_1B = MLAArgs(num_heads=32, q_lora_rank=1344, kv_lora_rank=128, qk_nope_head_
                  v_head_dim=64, original_max_position_embeddings=8192, mscale_all_dim=1.0)
 
 
-def llama(layers: int, dim: int, ffn_dim: int, heads: int, head_dim: int, rope_factor: float, tied: bool,
+def llama(layers: int, dim: int, ffn_dim: int, *, heads: int, head_dim: int, rope_factor: float, tied: bool,
           vocab_size: int = 128256, kv_heads: int = 8, norm_eps: float = 1e-5) -> ModelArgs:
     """A Llama 3 as a pattern of attention and MLP sublayers ('*-' per Llama layer), with Llama 3.1's RoPE scaling
     (original context 8,192, low and high frequency factors 1 and 4)."""

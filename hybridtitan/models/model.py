@@ -193,7 +193,7 @@ class HybridLM(nn.Module):
             collect.append(out)
         return out
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, cu_seqlens=None,
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, cu_seqlens=None,
                 cache: InferenceCache | None = None, ignore_index: int = -100, loss_chunk_size: int = 4096,
                 reduction: str = "mean", head=None, collect: list | None = None, context=None):
         """The logits [B, T, V] in float32, or given ``labels`` the cross-entropy over the counted ones (the logits

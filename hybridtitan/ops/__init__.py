@@ -173,10 +173,11 @@ class Kernels:
                 and not output_final_state):
             from . import cuda_graphs
 
-            return cuda_graphs.graphed_call(site, lambda *t: fn(*t, *extra, None, None, False)[0], *tensors), None
-        return fn(*tensors, *extra, cu_seqlens, initial_state, output_final_state)
+            return cuda_graphs.graphed_call(site, lambda *t: fn(*t, *extra)[0], *tensors), None
+        return fn(*tensors, *extra, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                  output_final_state=output_final_state)
 
-    def gated_delta_rule(self, q, k, v, a, b, A_log, dt_bias, cu_seqlens=None, initial_state=None,
+    def gated_delta_rule(self, q, k, v, a, b, A_log, dt_bias, *, cu_seqlens=None, initial_state=None,
                          output_final_state=False, site=None, context=None):
         """Gated DeltaNet core. q, k: [B, T, H, K] before their L2 norm; v: [B, T, HV, V]; a, b: [B, T, HV] raw gate
         and beta logits. decay = -exp(A_log) * softplus(a + dt_bias) (float32), beta = sigmoid(b). ``site``: the
@@ -184,7 +185,7 @@ class Kernels:
         the rank's ContextShard (context parallelism; the tensors are its local part)."""
         if context is not None:
             self._under_context("gated_delta_rule", cu_seqlens, initial_state, output_final_state)
-            return context_parallel.cp_gated_delta_rule(self, context, q, k, v, a, b, A_log, dt_bias)
+            return context_parallel.cp_gated_delta_rule(self, context, q, k, v, a, b, A_log=A_log, dt_bias=dt_bias)
         if self.backend_for(q) == "fla":
             return self._fla_mixer("gated_delta_rule", site, (q, k, v, a, b, A_log, dt_bias), cu_seqlens,
                                    initial_state, output_final_state, backend=self.config.gdn_backend)
@@ -195,13 +196,13 @@ class Kernels:
             chunk_size=GDN_CHUNK,
         )
 
-    def kda(self, q, k, v, a, b, A_log, dt_bias, cu_seqlens=None, initial_state=None, output_final_state=False,
+    def kda(self, q, k, v, a, b, A_log, dt_bias, *, cu_seqlens=None, initial_state=None, output_final_state=False,
             site=None, context=None):
         """Kimi Delta Attention core. As ``gated_delta_rule`` but a: [B, T, HV, K] (one decay per key channel),
         dt_bias: [HV * K]."""
         if context is not None:
             self._under_context("kda", cu_seqlens, initial_state, output_final_state)
-            return context_parallel.cp_kda(self, context, q, k, v, a, b, A_log, dt_bias)
+            return context_parallel.cp_kda(self, context, q, k, v, a, b, A_log=A_log, dt_bias=dt_bias)
         if self.backend_for(q) == "fla":
             return self._fla_mixer("kda", site, (q, k, v, a, b, A_log, dt_bias), cu_seqlens, initial_state,
                                    output_final_state)
@@ -213,7 +214,7 @@ class Kernels:
             chunk_size=KDA_CHUNK,
         )
 
-    def simple_gla(self, q, k, v, g, scale=None, cu_seqlens=None, initial_state=None, output_final_state=False,
+    def simple_gla(self, q, k, v, g, scale=None, *, cu_seqlens=None, initial_state=None, output_final_state=False,
                    site=None, context=None):
         """Linear attention with a scalar log decay g: [B, T, H] per head (Mamba2's SSD with q=C, k=B, v=x*dt)."""
         if context is not None:
@@ -227,7 +228,7 @@ class Kernels:
 
     # ---- convolutions
 
-    def causal_conv1d(self, x, weight, bias=None, activation="silu", cu_seqlens=None, initial_state=None,
+    def causal_conv1d(self, x, weight, bias=None, activation="silu", *, cu_seqlens=None, initial_state=None,
                       output_final_state=False, context=None):
         """Depthwise causal convolution. x: [B, T, D]; weight: [D, W]; states [N, D, W] (last W inputs)."""
         if context is not None:
@@ -237,7 +238,7 @@ class Kernels:
             return _fla().causal_conv1d(x, weight, bias, activation, cu_seqlens, initial_state, output_final_state)
         return reference.causal_conv1d(x, weight, bias, activation, cu_seqlens, initial_state, output_final_state)
 
-    def short_conv(self, x, weight, bias=None, activation="silu", sizes=None, cu_seqlens=None, initial_state=None,
+    def short_conv(self, x, weight, bias=None, activation="silu", sizes=None, *, cu_seqlens=None, initial_state=None,
                    output_final_state=False, context=None):
         """``causal_conv1d`` with its output as one tensor per block of ``sizes`` channels (default: one), e.g. a
         mixer's q, k and v. Returns (outputs, final state or None). On GPUs, whole sequences without a state go to
@@ -255,7 +256,8 @@ class Kernels:
             from . import conv_triton
 
             return list(conv_triton.short_conv(x, weight, bias, activation is not None, sizes)), None
-        y, state = self.causal_conv1d(x, weight, bias, activation, cu_seqlens, initial_state, output_final_state)
+        y, state = self.causal_conv1d(x, weight, bias, activation, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                                       output_final_state=output_final_state)
         return list(y.split(sizes, dim=-1)), state
 
     # ---- norms
@@ -299,7 +301,7 @@ class Kernels:
             return _fla().swiglu_linear(gate, up, weight)
         return F.linear(F.silu(gate) * up, weight)
 
-    def attention(self, q, k, v, scale, cu_seqlens=None, rows=1, key_mask=None, context=None):
+    def attention(self, q, k, v, scale, *, cu_seqlens=None, rows=1, key_mask=None, context=None):
         """Causal attention. q: [B, T, H, Dk]; k: [B, S, Hk, Dk]; v: [B, S, Hk, Dv] (Hk dividing H: grouped-query
         heads; S > T when decoding: the queries are the last T positions); packed documents as ``cu_seqlens`` over a
         batch of one flattened from ``rows`` rows; ``key_mask`` [B, S]: the keys that exist (left-padded rows).
@@ -331,7 +333,7 @@ class Kernels:
                                                   chunk_size=chunk_size, chunk_fn=chunk_fn)
 
 
-    def linear_kl_div(self, hidden, weight, t_hidden, t_weight, targets, temperature: float = 1.0,
+    def linear_kl_div(self, hidden, weight, t_hidden, t_weight, targets, *, temperature: float = 1.0,
                       kl_weight: float = 1.0, ce_weight: float = 0.0, ignore_index: int = -100, chunk_size: int = 1024):
         """(loss, summed KL_T, summed cross-entropy, counted tokens) of a student's hidden states and output weight
         against a teacher's, a chunk of tokens at a time (``distill``): loss = kl_weight * T^2 * KL_T +

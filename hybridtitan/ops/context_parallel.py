@@ -350,7 +350,7 @@ def _last_segment_states(shard: ContextShard, final: torch.Tensor, batch: int) -
     return final.index_select(0, index).view(batch, 2, *final.shape[1:])
 
 
-def _cp_delta_rule(op, shard: ContextShard, q, k, v, a, b, A_log, dt_bias):
+def _cp_delta_rule(op, shard: ContextShard, q, k, v, a, b, *, A_log, dt_bias):
     """The delta rules (GDN, KDA) under CP. Summary pass: the op over [v | 0] of value width V + K from the states
     [0 | I] gives, per segment, [B | M] (the columns of the state evolve apart, so the K extra columns carry the
     identity through the per-token transitions: M, K x K per value head), in one call."""
@@ -370,15 +370,15 @@ def _cp_delta_rule(op, shard: ContextShard, q, k, v, a, b, A_log, dt_bias):
     return o.view(Bsz, L, *o.shape[2:]), None
 
 
-def cp_gated_delta_rule(kernels, shard: ContextShard, q, k, v, a, b, A_log, dt_bias):
+def cp_gated_delta_rule(kernels, shard: ContextShard, q, k, v, a, b, *, A_log, dt_bias):
     """``kernels.gated_delta_rule`` of the rank's part of the sequence (q, k: [B, 2C, H, K]; v: [B, 2C, HV, V];
     a, b: [B, 2C, HV]), as the whole sequence would give it. Returns (o [B, 2C, HV, V], None)."""
-    return _cp_delta_rule(kernels.gated_delta_rule, shard, q, k, v, a, b, A_log, dt_bias)
+    return _cp_delta_rule(kernels.gated_delta_rule, shard, q, k, v, a, b, A_log=A_log, dt_bias=dt_bias)
 
 
-def cp_kda(kernels, shard: ContextShard, q, k, v, a, b, A_log, dt_bias):
+def cp_kda(kernels, shard: ContextShard, q, k, v, a, b, *, A_log, dt_bias):
     """``kernels.kda`` under CP, as ``cp_gated_delta_rule`` (a: [B, 2C, HV, K]). Returns (o, None)."""
-    return _cp_delta_rule(kernels.kda, shard, q, k, v, a, b, A_log, dt_bias)
+    return _cp_delta_rule(kernels.kda, shard, q, k, v, a, b, A_log=A_log, dt_bias=dt_bias)
 
 
 def cp_simple_gla(kernels, shard: ContextShard, q, k, v, g, scale=None):

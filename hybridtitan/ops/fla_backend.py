@@ -103,11 +103,12 @@ def _v_first(state):
     return state.transpose(-1, -2).contiguous() if state is not None else None
 
 
-def _delta_rule(mixer, chunk_fn, recurrent_fn, q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state,
-                output_final_state, gate_outside: bool = False):
-    """GDN and KDA take the same arguments: raw gate and beta logits, the gate and L2 norm fused in the kernel.
-    With ``gate_outside``, the log decay -exp(A_log) * softplus(a + dt_bias) and beta's sigmoid are computed here in
-    float32 and handed to the kernel (GDN only)."""
+def _delta_rule(mixer, chunk_fn, recurrent_fn, inputs, *, cu_seqlens, initial_state, output_final_state,
+                gate_outside: bool = False):
+    """GDN and KDA take the same ``inputs`` (q, k, v, a, b, A_log, dt_bias): raw gate and beta logits, the gate and
+    L2 norm fused in the kernel. With ``gate_outside``, the log decay -exp(A_log) * softplus(a + dt_bias) and beta's
+    sigmoid are computed here in float32 and handed to the kernel (GDN only)."""
+    q, k, v, a, b, A_log, dt_bias = inputs
     decoding = _decoding(q)
     if gate_outside:
         gates = dict(g=-A_log.float().exp() * F.softplus(a.float() + dt_bias.float()), beta=torch.sigmoid(b.float())
@@ -130,25 +131,29 @@ GDN_BACKENDS = ("triton", "flash_qla")
 _triton_chunk_gated_delta_rule = torch.compiler.disable(inspect.unwrap(chunk_gated_delta_rule))
 
 
-def gated_delta_rule(*args, backend: str = "triton"):
+def gated_delta_rule(q, k, v, a, b, A_log, dt_bias, *, cu_seqlens=None, initial_state=None, output_final_state=False,
+                     backend: str = "triton"):
     """``backend``: "triton" (FLA's Triton kernels on every GPU, whatever else is installed) or "flash_qla" (FLA's
     dispatch: FlashQLA where installed and the call suits it, which needs the gate and beta computed outside the
     kernel, else FLA's Triton kernels). On ROCm the gate is computed in float32 outside the kernel too (Primus met
     NaN gradients with the gate fused there on AMD GPUs)."""
     if backend not in GDN_BACKENDS:
         raise ValueError(f"gated delta rule backend must be one of {', '.join(GDN_BACKENDS)}, got {backend!r}")
+    inputs = (q, k, v, a, b, A_log, dt_bias)
     gate_outside = backend == "flash_qla" or bool(torch.version.hip)
     chunk_fn = chunk_gated_delta_rule if backend == "flash_qla" else _triton_chunk_gated_delta_rule
     if backend == "flash_qla":
-        log_kernel_choice("gated_delta_rule", _flash_qla_verdict(*args))
+        log_kernel_choice("gated_delta_rule", _flash_qla_verdict(inputs, cu_seqlens, initial_state))
     else:
         where = " (the gate in float32 outside the kernel, ROCm)" if gate_outside else ""
         log_kernel_choice("gated_delta_rule", "FLA's Triton kernels" + where)
-    return _delta_rule("gdn", chunk_fn, fused_recurrent_gated_delta_rule, *args, gate_outside=gate_outside)
+    return _delta_rule("gdn", chunk_fn, fused_recurrent_gated_delta_rule, inputs, cu_seqlens=cu_seqlens,
+                       initial_state=initial_state, output_final_state=output_final_state, gate_outside=gate_outside)
 
 
-def _flash_qla_verdict(q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state, output_final_state) -> str:
+def _flash_qla_verdict(inputs, cu_seqlens, initial_state) -> str:
     """Which kernels FLA's dispatch will run for this call under the flash_qla backend, in words."""
+    q, k, v, a, b = inputs[:5]
     from fla.ops.gated_delta_rule.backends import FlashQLABackend
 
     if not FlashQLABackend.is_available():
@@ -159,9 +164,10 @@ def _flash_qla_verdict(q, k, v, a, b, A_log, dt_bias, cu_seqlens, initial_state,
     return "FlashQLA" if accepted else f"FlashQLA declined ({reason}): FLA's Triton kernels"
 
 
-def kda(*args):
+def kda(q, k, v, a, b, A_log, dt_bias, *, cu_seqlens=None, initial_state=None, output_final_state=False):
     log_kernel_choice("kda", f"FLA's Triton kernels, chunks of {CHUNK_SIZE['kda']}")
-    return _delta_rule("kda", chunk_kda, fused_recurrent_kda, *args)
+    return _delta_rule("kda", chunk_kda, fused_recurrent_kda, (q, k, v, a, b, A_log, dt_bias), cu_seqlens=cu_seqlens,
+                       initial_state=initial_state, output_final_state=output_final_state)
 
 
 # FLA 0.6.0's chunked simple-GLA backward is only trusted at head dims of at least 64: below it, on an H200, its
@@ -173,7 +179,7 @@ def kda(*args):
 MIN_TRAINED_HEAD_DIM = 64
 
 
-def simple_gla(q, k, v, g, scale, cu_seqlens, initial_state, output_final_state):
+def simple_gla(q, k, v, g, scale=None, *, cu_seqlens=None, initial_state=None, output_final_state=False):
     log_kernel_choice("simple_gla", "FLA's Triton kernels (Mamba2's SSD)")
     decoding = _decoding(q)
     fn = fused_recurrent_simple_gla if decoding else chunk_simple_gla
