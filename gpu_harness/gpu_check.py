@@ -77,7 +77,7 @@ from common import (  # noqa: E402
     write_json,
 )
 from hybridtitan.models import get_flavor  # noqa: E402
-from hybridtitan.models.common import init_dt_bias, init_log_uniform_A  # noqa: E402
+from hybridtitan.models.modules import init_dt_bias, init_log_uniform_A  # noqa: E402
 from hybridtitan.ops import KernelConfig, Kernels  # noqa: E402
 
 TOL = 1e-2

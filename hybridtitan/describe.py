@@ -15,7 +15,7 @@ import json
 import sys
 
 from hybridtitan.cli import one_line_errors
-from hybridtitan.config import (
+from hybridtitan.config_manager import (
     ConfigError,
     compiles,
     config_reference,
@@ -248,7 +248,7 @@ def plan_lines(cfg, plan: dict, nodes: int | None, data_problem: str | None) -> 
 def data_problem(cfg) -> str | None:
     """The trainer's checks of the data before a run (files, manifests, tokenizer, held-out overlap), here: the
     problem in one line, or None."""
-    from hybridtitan.config import validate
+    from hybridtitan.config_manager import validate
     from hybridtitan.data import build_tokenizer
     from hybridtitan.preflight import check_data_files
 

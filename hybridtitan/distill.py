@@ -29,14 +29,14 @@ import logging
 
 import torch
 
-from hybridtitan.config import ConfigError
+from hybridtitan.config_manager import ConfigError
 from hybridtitan.data.loader import IGNORE_INDEX
 from hybridtitan.data.tokenizer import vocabulary_fingerprint
 from hybridtitan.errors import ConversionError
 from hybridtitan.models import ModelArgs
 from hybridtitan.models.flops import flops_per_token
 from hybridtitan.models.model import StreamRecord
-from hybridtitan.ops.distill import layer_distance
+from hybridtitan.ops.kl_div import layer_distance
 
 logger = logging.getLogger("hybridtitan")
 
@@ -116,7 +116,7 @@ class Distiller:
     def __init__(self, d, teacher: Teacher, mesh, device: torch.device, kernels, param_dtype: torch.dtype):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        from hybridtitan.loader import read_model
+        from hybridtitan.model_loader import read_model
         from hybridtitan.models import build_model
         from hybridtitan.parallel import parallelize
 

@@ -12,7 +12,7 @@ YAMLs, as lm-eval does. --batch_size auto (or auto:N, as lm-eval) picks the larg
 
 Under torchrun every rank loads the model (cuda:LOCAL_RANK on GPUs, CPU over gloo otherwise) and scores its share
 of the batches; rank 0 prints and writes the results, which are those of one process, sample for sample. The
-lm-eval model itself is hybridtitan.evaluation; the model is read by hybridtitan.loader.
+lm-eval model itself is hybridtitan.lm_eval_model; the model is read by hybridtitan.model_loader.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import warnings
 
 from hybridtitan.cli import OneLineParser, fail, one_line_errors
 from hybridtitan.errors import first_error_line
-from hybridtitan.evaluation import (
+from hybridtitan.lm_eval_model import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_GEN_TOKS,
     DEFAULT_MAX_LENGTH,
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _evaluate_main(args, tasks, task_manager, *, device: str, dtype: str, world: int, rank: int, tuned) -> None:
     """The evaluation itself; ``tuned``: the kernel configurations in use (hybridtitan.ops.kernel_configs.Choice)."""
-    from hybridtitan.loader import load
+    from hybridtitan.model_loader import load
 
     with one_line_errors():
         model, tokenizer, source = load(args.checkpoint, step=args.step, device=device, dtype=dtype,

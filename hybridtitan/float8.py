@@ -16,8 +16,8 @@ Which linears convert (``plan_float8``): those whose GEMM float8 speeds up. Kept
   gate projections of GDN and KDA (a_proj, b_proj: as many outputs as heads) always fall here.
 
 Embeddings, norms, convolutions and the recurrent kernels are no nn.Linear and never convert. A converted linear
-runs as itself: the models read weights into a fused product (``models.common.fused_linear``, the SwiGLU's
-``ops.swiglu_linear``) only while every linear involved is a plain nn.Linear (``models.common.is_plain_linear``).
+runs as itself: the models read weights into a fused product (``models.modules.fused_linear``, the SwiGLU's
+``ops.swiglu_linear``) only while every linear involved is a plain nn.Linear (``models.modules.is_plain_linear``).
 
 ``float8_refusal`` says in one line why float8 cannot run (hardware, torchao missing, contradictory settings);
 ``float8_warnings`` what will run but slowly or not as set; ``precompute_float8_scales`` is the post-optimizer step

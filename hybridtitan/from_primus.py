@@ -11,7 +11,7 @@ set a key, and the module's ``overrides:`` over both. Keys that no file sets tak
 (MEGATRON_DEFAULTS, the ones the mapping reads). Every key is then either mapped to a recipe key (KEY_TABLE says
 which), or listed with the reason it is not, one line each; a value hybridtitan cannot reproduce (LayerNorm,
 dropout, tensor parallelism) is named as a difference. The recipe takes a flavor where the sizes are one of
-hybridtitan.models.flavors', else the pattern and every size; it is checked with hybridtitan.config's own parser
+hybridtitan.models.flavors', else the pattern and every size; it is checked with hybridtitan.config_manager's own parser
 before it is written, and compared with the shipped recipe whose header cites the same Primus file, if any.
 
 Bad input (a missing file, a cycle of extends, YAML that is not a mapping, a model hybridtitan cannot build) is one
@@ -905,7 +905,7 @@ COMPARED = ("training.local_batch_size", "training.global_batch_size", "training
 def compared_values(cfg) -> dict:
     """What two recipes for one configuration are compared on: the model (the sizes of the sublayers it has) and
     COMPARED (the schedule's length as it runs: total_steps, else training.steps)."""
-    from hybridtitan.config import model_args
+    from hybridtitan.config_manager import model_args
 
     values = {}
     for key in COMPARED:
@@ -947,7 +947,7 @@ def shipped_recipe(experiment: str) -> Path | None:
 
 
 def compare_with_shipped(experiment: str, cfg) -> list[str]:
-    from hybridtitan.config import parse_config
+    from hybridtitan.config_manager import parse_config
 
     recipe = shipped_recipe(experiment)
     if recipe is None:
@@ -979,10 +979,10 @@ def map_experiment(exp: Experiment):
 
 def convert(experiment: str, primus: str | None = None) -> tuple[str, list[str]]:
     """(the recipe's TOML text, the report's lines) for an experiment YAML; PrimusError on bad input. The recipe
-    is parsed by hybridtitan.config before it is returned."""
+    is parsed by hybridtitan.config_manager before it is returned."""
     import tempfile
 
-    from hybridtitan.config import parse_config
+    from hybridtitan.config_manager import parse_config
 
     exp = read_experiment(experiment, primus)
     m, args = map_experiment(exp)
@@ -994,7 +994,7 @@ def convert(experiment: str, primus: str | None = None) -> tuple[str, list[str]]
             cfg = parse_config(["--job.config_file", path], check_data=False)
         except UserError as e:
             raise PrimusError(f"the recipe made of {experiment} does not parse: {e}") from None
-    from hybridtitan.config import model_args
+    from hybridtitan.config_manager import model_args
 
     if _used_fields(model_args(cfg)) != _used_fields(args):
         raise PrimusError(f"the recipe made of {experiment} builds another model than the experiment's")

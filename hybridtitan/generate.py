@@ -3,8 +3,8 @@
     python -m hybridtitan.generate --checkpoint outputs/quickstart --prompt "Return the number of"
     python -m hybridtitan.generate --checkpoint outputs/quickstart/hf --temperature 0      # interactive, greedy
 
-The model is read by hybridtitan.loader, as for evaluation (HybridLM, our own code: CPU or GPU). The prompt is fed once
-(the prefill), then one token per step through the recurrent/MLA cache, until --max_new_tokens or the
+The model is read by hybridtitan.model_loader, as for evaluation (HybridLM, our own code: CPU or GPU). The prompt
+is fed once (the prefill), then one token per step through the recurrent/MLA cache, until --max_new_tokens or the
 end-of-text token. --temperature 0 is greedy; otherwise tokens are drawn from softmax(logits / T) restricted to
 the smallest set of tokens whose probability reaches --top_p (nucleus sampling); --seed makes a draw repeatable.
 Without --prompt, lines are read from a "> " prompt, each answered from a fresh cache; Ctrl-D, Ctrl-C or "exit"
@@ -121,7 +121,7 @@ def load(args):
 
     import torch
 
-    from hybridtitan import loader
+    from hybridtitan import model_loader
     from hybridtitan.hf.convert import is_hf_folder
     from hybridtitan.ops import kernel_configs
 
@@ -135,7 +135,7 @@ def load(args):
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     with one_line_errors():
         tuned = kernel_configs.use(args.kernel_configs, torch.device(device))
-        model, tokenizer, source = loader.load(args.checkpoint, step=args.step, device=device, dtype=dtype,
+        model, tokenizer, source = model_loader.load(args.checkpoint, step=args.step, device=device, dtype=dtype,
                                                tokenizer=args.tokenizer)
     print(f"hybridtitan: {source}, {dtype} on {device}; {tuned.message}", file=sys.stderr, flush=True)
     return model.eval(), tokenizer

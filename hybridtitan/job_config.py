@@ -1,13 +1,13 @@
 """The recipe's schema: every section and key the trainer reads, with its type, default and meaning.
 
-A recipe (train_configs/*.toml) sets these and the command line overrides them (hybridtitan.config reads both
+A recipe (train_configs/*.toml) sets these and the command line overrides them (hybridtitan.config_manager reads both
 into a JobConfig). The sections and the names, types and defaults of their keys are torchtitan 0.2.2's where
 torchtitan has the key, so a torchtitan user's recipe reads the same; the keys of torchtitan's that hybridtitan
 does not implement are listed in TITAN_OPTIONS and refused when set to anything but their default, rather than
 silently ignored. Each field's docstring is its description in ``--help`` and docs/config-reference.md.
 
-The sections are frozen: a JobConfig is decided once, by hybridtitan.config (the recipe and the command line) and
-preflight (what follows from them), and is a value after that.
+The sections are frozen: a JobConfig is decided once, by hybridtitan.config_manager (the recipe and the command
+line) and preflight (what follows from them), and is a value after that.
 
 (No ``from __future__ import annotations`` here: the field types must stay real types, the recipe checks read
 them.)

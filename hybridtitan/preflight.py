@@ -20,7 +20,7 @@ import torch
 
 from hybridtitan import run_record
 from hybridtitan.checkpoint import CheckpointError, complete_steps, is_model_only, read_job_config, resolve_checkpoint
-from hybridtitan.config import ConfigError, compiles, context_parallel_layout, held_out_data, model_args
+from hybridtitan.config_manager import ConfigError, compiles, context_parallel_layout, held_out_data, model_args
 from hybridtitan.data import HeldOut, build_dataloader, build_tokenizer
 from hybridtitan.data.manifest import check_shards
 from hybridtitan.data.sources import summarize
@@ -350,7 +350,7 @@ def what_the_run_reads(cfg: JobConfig, global_batch: int) -> str:
 
 def check_eval_tasks(cfg: JobConfig) -> None:
     """The [eval] tasks exist (lm-eval's, or in eval.include_path): said now, not after hours of training."""
-    from hybridtitan.evaluation import EvalError, task_manager_for
+    from hybridtitan.lm_eval_model import EvalError, task_manager_for
 
     if cfg.eval.include_path and not os.path.isdir(cfg.eval.include_path):
         raise ConfigError(f"eval.include_path: no such folder: {cfg.eval.include_path}")

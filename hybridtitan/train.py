@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from hybridtitan import ops, run_record
 from hybridtitan.checkpoint import CheckpointManager
 from hybridtitan.cli import fail, one_line_errors
-from hybridtitan.config import TRAIN_USAGE, compiles, parse_config, selective_ac_interval, to_dict
+from hybridtitan.config_manager import TRAIN_USAGE, compiles, parse_config, selective_ac_interval, to_dict
 from hybridtitan.data.config import recorded_path
 from hybridtitan.data.loader import IGNORE_INDEX
 from hybridtitan.distill import Distiller, training_flops_per_token
@@ -501,7 +501,7 @@ class Trainer:
         after_checkpoint = c.enable and step % (c.interval * e.every_checkpoints) == 0
         if not (after_checkpoint or step == self.cfg.training.steps):
             return
-        from hybridtitan.evaluation import evaluate_live
+        from hybridtitan.lm_eval_model import evaluate_live
 
         start = time.perf_counter()
         results = evaluate_live(self.model, self.plan.data.tokenizer, e.tasks, include_path=e.include_path or None,

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from hybridtitan.config import parse_config
+    from hybridtitan.config_manager import parse_config
     from hybridtitan.ops import kernel_configs
     from hybridtitan.preflight import preflight
 
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         # the recipe read as tuning runs it (mock tokens), so that its data need not be on this machine
         recipe = parse_config(recipe_argv + RECIPE_ONLY)
         if own.one_of_each:  # every sublayer of a kind has the same shapes, so the kernels meet the same keys
-            from hybridtitan.config import model_args
+            from hybridtitan.config_manager import model_args
 
             recipe_argv = recipe_argv + ["--model.pattern", "".join(dict.fromkeys(model_args(recipe).pattern))]
             recipe = parse_config(recipe_argv + RECIPE_ONLY)

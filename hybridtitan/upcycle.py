@@ -273,7 +273,7 @@ def read_student(path: str, args, what: str) -> dict[str, torch.Tensor]:
     mixers for --mixers-from, each with the MLP after it) are where ``args`` has them and hold the same tensors
     (names and shapes): its other settings (the RoPE extension, the kind and sizes of what is not taken) may
     differ."""
-    from hybridtitan.loader import read_model
+    from hybridtitan.model_loader import read_model
     from hybridtitan.models import build_model
 
     saved, state, _ = read_model(path)
@@ -302,8 +302,8 @@ def upcycle(model: str, output: str, *, mixer: str = "mamba2", attention_layers:
     student's ModelArgs and the report. ConversionError / CheckpointError (one line) before anything is written."""
     from hybridtitan.hf.convert import load_tokenizer, output_problem
     from hybridtitan.import_hf import write_step_folder
-    from hybridtitan.loader import read_model
     from hybridtitan.model_folder import read_folder
+    from hybridtitan.model_loader import read_model
     from hybridtitan.models import build_model
 
     output = os.path.normpath(output)
@@ -435,8 +435,8 @@ def select_main(argv: list[str]) -> None:
     a = build_select_parser().parse_args(argv)
     from hybridtitan.data import Data, HeldOut, build_tokenizer
     from hybridtitan.data.config import validate_data_config
-    from hybridtitan.loader import read_model
     from hybridtitan.model_folder import read_folder
+    from hybridtitan.model_loader import read_model
     from hybridtitan.models import build_model
 
     if a.count < 1 or a.batches < 1 or a.batch_size < 1 or a.seq_len < 2:

@@ -189,7 +189,7 @@ def test_resume_with_parts_left_out_steps_at_the_schedules_rate(tmp_path, capsys
     moved = tmp_path / "moved" / "train.jsonl"  # the same file elsewhere is the same data
     moved.parent.mkdir()
     shutil.copy(corpus, moved)
-    from hybridtitan.config import parse_config
+    from hybridtitan.config_manager import parse_config
     from hybridtitan.preflight import preflight
 
     def starts(name: str, *extra: str) -> bool:

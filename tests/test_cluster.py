@@ -271,7 +271,7 @@ def _resume_then_train(out: str, argv: list[str]) -> None:
         get_optimizer_state_dict,
     )
 
-    from hybridtitan.config import parse_config
+    from hybridtitan.config_manager import parse_config
     from hybridtitan.preflight import preflight
     from hybridtitan.train import Trainer
 

@@ -97,7 +97,7 @@ def test_bad_document_slice_in_a_recipe(tmp_path, capsys, value, expected):
     assert code == 2 and err.startswith("error: ") and "\n" not in err and expected in err, err
 
 def test_document_slice_from_a_recipe_and_the_command_line(tmp_path):
-    from hybridtitan.config import parse_config
+    from hybridtitan.config_manager import parse_config
 
     assert parse_config(["--job.config_file", RECIPE]).data.document_slice == [0.0, 1.0]
     assert parse_config(["--job.config_file", RECIPE]).data.document_slice_seed == 42
@@ -162,7 +162,7 @@ def test_bad_input_subprocess_no_traceback(tmp_path):
 def test_help_lists_the_supported_keys(capsys):
     """--help: hybridtitan's keys with their own descriptions, torchtitan's refused options left out."""
     from hybridtitan import describe
-    from hybridtitan.config import known_keys
+    from hybridtitan.config_manager import known_keys
 
     with pytest.raises(SystemExit) as exc:
         train.main(["--help"])
@@ -221,7 +221,7 @@ def test_schema_keeps_torchtitans_names_types_and_defaults():
 def test_config_reference_is_current():
     """docs/config-reference.md is generated from the configuration's dataclasses: regenerate it (python -m
     hybridtitan.describe --config-reference > docs/config-reference.md) when a key changes."""
-    from hybridtitan.config import config_reference, known_keys
+    from hybridtitan.config_manager import config_reference, known_keys
 
     page = (ROOT / "docs" / "config-reference.md").read_text()
     assert page.strip() == config_reference().strip()
@@ -233,7 +233,7 @@ def test_config_reference_is_current():
 def test_upcycling_stages_read_disjoint_slices():
     """The stage-1 recipes read [0.0, 0.2) of the data, the stage-2 ones [0.2, 1.0) of the same data in the same
     order (one path, one document_slice_seed): AMD's split of its SFT data, no document read by both stages."""
-    from hybridtitan.config import parse_config
+    from hybridtitan.config_manager import parse_config
 
     folder = ROOT / "train_configs" / "upcycle"
     stage1 = ("zebra_llama_1B_ild_mamba2", "zebra_llama_1B_ild_mla", "hylo_1B_ild_gdn")

@@ -153,7 +153,7 @@ def test_refusals_are_one_line_before_anything_is_written(capsys, monkeypatch, t
 def test_load_balancer_values(tmp_path):
     """headtail (torchtitan's default) is the zigzag layout; None (the command line's none, TOML's "none") the
     contiguous one."""
-    from hybridtitan.config import context_parallel_layout, parse_config
+    from hybridtitan.config_manager import context_parallel_layout, parse_config
 
     def layout(*args):
         return context_parallel_layout(parse_config(["--job.config_file", *args], check_data=False))

@@ -679,7 +679,7 @@ def test_the_trainer_refuses_data_it_cannot_trust(tmp_path, tok_dir, corpus, cap
     assert code == 2 and "was tokenized with" in err and "\n" not in err, err
     assert not dump.exists()
     # the right data: the start of the run says what it reads, and the epochs the schedule makes of it
-    from hybridtitan.config import ConfigError, parse_config, parse_overrides
+    from hybridtitan.config_manager import ConfigError, parse_config, parse_overrides
     from hybridtitan.data.manifest import read
     from hybridtitan.preflight import preflight
 

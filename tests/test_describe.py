@@ -140,7 +140,7 @@ def test_no_arguments_prints_the_usage(capsys):
 def test_every_recipe_describes(recipe):
     """Every shipped recipe parses and builds its model's plan (the upcycling recipes' teachers and data are not
     here: describe leaves the teacher out and says so)."""
-    from hybridtitan.config import parse_config
+    from hybridtitan.config_manager import parse_config
     from hybridtitan.describe import describe
 
     d = describe(parse_config(["--job.config_file", str(ROOT / recipe)], check_data=False))
@@ -184,7 +184,7 @@ def test_every_launch_line_of_the_docs_plans_for_its_gpus():
     """Each torchrun or sbatch line of the README and the docs that names a recipe and a number of GPUs has batch
     arithmetic that holds on them (the global batch divides into local batches of every rank): a line that fails
     after the queue wait, as Slurm's used to, cannot be published."""
-    from hybridtitan.config import parse_config
+    from hybridtitan.config_manager import parse_config
     from hybridtitan.describe import batch_plan
 
     commands = _launch_commands()

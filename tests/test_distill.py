@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import QUICK, main_error, records, run_train, state
-from hybridtitan.ops.distill import kl_chunk, layer_distance, linear_kl_div
+from hybridtitan.ops.kl_div import kl_chunk, layer_distance, linear_kl_div
 
 STUDENT = ["--model.flavor", "debug_llama_upcycled"]
 TEACHER_STEPS = 150
@@ -69,7 +69,7 @@ def test_linear_kl_div_equals_its_definition(temperature, ce_weight):
 
 
 def test_compiled_kl_chunk_equals_eager():
-    from hybridtitan.ops.distill import compiled_kl_chunk
+    from hybridtitan.ops.kl_div import compiled_kl_chunk
 
     torch.manual_seed(0)
     s, t = torch.randn(16, 300), torch.randn(16, 300)
@@ -207,7 +207,7 @@ def test_a_teacher_that_does_not_fit_is_one_line(teacher, tmp_path, capsys):
 
 KL_KERNEL_SCRIPT = r"""
 import torch
-from hybridtitan.ops import distill, distill_triton
+from hybridtitan.ops import kl_div, kl_div_triton
 
 torch.manual_seed(0)
 for rows, vocab, block, temperature, ce_weight in [(7, 1000, 256, 1.0, 0.0), (9, 1024, 256, 2.0, 0.0),
@@ -217,10 +217,10 @@ for rows, vocab, block, temperature, ce_weight in [(7, 1000, 256, 1.0, 0.0), (9,
     target = torch.randint(0, vocab, (rows, 1))
     valid = torch.rand(rows) > 0.3
     valid[0], valid[-1] = True, False
-    ref_kl, ref_ce, ref_grad = distill.kl_chunk(s.clone(), t, target, valid, temperature, 1.5 * temperature ** 2,
+    ref_kl, ref_ce, ref_grad = kl_div.kl_chunk(s.clone(), t, target, valid, temperature, 1.5 * temperature ** 2,
                                                 ce_weight)
     buffer = s.clone()
-    kl, ce, grad = distill_triton.kl_chunk(buffer, t, target, valid, temperature, 1.5 * temperature ** 2, ce_weight,
+    kl, ce, grad = kl_div_triton.kl_chunk(buffer, t, target, valid, temperature, 1.5 * temperature ** 2, ce_weight,
                                            block=block, num_warps=4)
     assert grad.data_ptr() == buffer.data_ptr() and grad.dtype == torch.bfloat16
     assert abs(kl.item() - ref_kl.item()) <= 1e-4 * abs(ref_kl.item()) + 1e-5, (kl, ref_kl)
@@ -232,7 +232,7 @@ print("OK")
 
 
 def test_kl_kernel_in_triton_interpreter(run_in_triton_interpreter):
-    """The GPUs' KL chunk kernel (ops.distill_triton), run by Triton's interpreter on the CPU, against the eager
+    """The GPUs' KL chunk kernel (ops.kl_div_triton), run by Triton's interpreter on the CPU, against the eager
     chunk: KL, cross-entropy at temperature 1, the gradient written over the student's logits, ignored rows, a
     vocabulary that is no multiple of the block, temperatures above and below 1."""
     run_in_triton_interpreter(KL_KERNEL_SCRIPT)

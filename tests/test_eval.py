@@ -56,9 +56,9 @@ def lm_and_hf(trained, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     import hybridtitan.hf  # noqa: F401
-    from hybridtitan.evaluation import HybridTitanLM
     from hybridtitan.export_hf import export
-    from hybridtitan.loader import load
+    from hybridtitan.lm_eval_model import HybridTitanLM
+    from hybridtitan.model_loader import load
 
     model, tok, _ = load(str(trained["debug_hybrid"]))
     hf_dir = tmp_path_factory.mktemp("lm") / "hf"
@@ -224,7 +224,7 @@ class _RunsOutOfMemory(torch.nn.Module):
 def _fake_lm(model, batch_size="auto", **kwargs):
     from types import SimpleNamespace
 
-    from hybridtitan.evaluation import HybridTitanLM
+    from hybridtitan.lm_eval_model import HybridTitanLM
 
     return HybridTitanLM(model, SimpleNamespace(pad_token_id=0, eos_token_id=1), batch_size=batch_size,
                          max_length=64, **kwargs)
@@ -232,7 +232,7 @@ def _fake_lm(model, batch_size="auto", **kwargs):
 
 def test_auto_batch_size_is_the_largest_that_fits():
     """From max_batch_size (64), halved on out-of-memory, then bisected: the largest batch below the failure."""
-    from hybridtitan.evaluation import EvalError
+    from hybridtitan.lm_eval_model import EvalError
 
     model = _RunsOutOfMemory(budget=20 * 10)
     lm = _fake_lm(model)

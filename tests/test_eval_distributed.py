@@ -35,8 +35,8 @@ def worker(checkpoint: str, out_dir: str) -> None:
     from lm_eval.api.instance import Instance
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from hybridtitan.evaluation import HybridTitanLM, evaluate_live
-    from hybridtitan.loader import load
+    from hybridtitan.lm_eval_model import HybridTitanLM, evaluate_live
+    from hybridtitan.model_loader import load
     from hybridtitan.parallel import DataParallel, build_mesh
     from hybridtitan.train import build_parallel_model
 

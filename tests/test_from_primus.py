@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridtitan.config import model_args, parse_config
+from hybridtitan.config_manager import model_args, parse_config
 from hybridtitan.describe import describe
 from hybridtitan.from_primus import MAPPED, convert, key_tables, main, map_experiment, read_experiment
 

@@ -35,7 +35,7 @@ def trained(tmp_path_factory) -> dict[str, Path]:
 def loaded(trained, tmp_path_factory):
     """flavor -> (HybridLM of the DCP checkpoint, tokenizer, its float32 export folder)."""
     from hybridtitan.export_hf import export
-    from hybridtitan.loader import load
+    from hybridtitan.model_loader import load
 
     base = tmp_path_factory.mktemp("generate_exports")
     out = {}

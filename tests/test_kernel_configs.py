@@ -278,7 +278,7 @@ def test_tune_needs_a_gpu_and_a_recipe(tmp_path, capsys):
 
 def test_tune_reads_every_recipe_without_its_data():
     """Tuning runs on mock tokens: a recipe whose shards are not on this machine still gives its shapes."""
-    from hybridtitan.config import ConfigError, parse_config
+    from hybridtitan.config_manager import ConfigError, parse_config
     from hybridtitan.tune import RECIPE_ONLY
 
     recipe = "train_configs/gdn_300M.toml"

@@ -29,7 +29,7 @@ def test_lr_schedule_is_torchtitans_within_its_end(decay_type, shape):
     type, decay_ratio, min_lr_factor, a warm-up longer than the schedule), and so is its checkpoint state."""
     from torchtitan.components.lr_scheduler import build_lr_schedulers
 
-    from hybridtitan.config import parse_config
+    from hybridtitan.config_manager import parse_config
     from hybridtitan.lr_schedule import build_lr_scheduler
 
     warmup, ratio, floor = shape
@@ -50,7 +50,7 @@ def test_lr_schedule_held_at_its_floor_past_its_end():
     cosine back up); ours holds the floor there."""
     from torchtitan.components.lr_scheduler import build_lr_schedulers
 
-    from hybridtitan.config import parse_config
+    from hybridtitan.config_manager import parse_config
     from hybridtitan.lr_schedule import build_lr_scheduler
 
     for decay_type in ("linear", "cosine"):

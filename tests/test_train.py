@@ -59,7 +59,7 @@ def test_gradient_accumulation_matches_larger_batch(tmp_path):
 # 2 ranks as 2 replicas x 1 shard, then every rank's parameters gathered and compared.
 _HSDP_SCRIPT = """
 import sys, torch, torch.distributed as dist
-from hybridtitan.config import parse_config
+from hybridtitan.config_manager import parse_config
 from hybridtitan.preflight import preflight
 from hybridtitan.train import Trainer
 cfg = parse_config(sys.argv[1:])
@@ -171,7 +171,7 @@ def test_error_on_one_rank_ends_the_run_at_once(tmp_path):
 # each rank given its rows (a quarter of them per micro-batch and rank at most), one step, checkpoint saved.
 _GLOBAL_BATCH_SCRIPT = """
 import os, sys, torch
-from hybridtitan.config import parse_config
+from hybridtitan.config_manager import parse_config
 from hybridtitan.data.loader import Collate
 from hybridtitan.preflight import preflight
 from hybridtitan.train import Trainer

@@ -136,7 +136,7 @@ def test_an_mla_of_full_rank_computes_the_attention_it_came_from(tmp_path):
     """A multi-query Llama (one key/value head: the MLA's one shared RoPE key loses nothing) with plain RoPE,
     upcycled with every layer as MLA at full ranks, RoPE on every channel and no YaRN: the same logits as
     transformers' LlamaForCausalLM. Everything but the attention is copied, and the MLA is the attention."""
-    from hybridtitan.loader import load
+    from hybridtitan.model_loader import load
     from hybridtitan.upcycle import main
 
     reference = make_llama(tmp_path / "llama", num_key_value_heads=1, rope_scaling=None)
@@ -192,7 +192,7 @@ def test_students_assembled_and_layers_selected(tmp_path, capsys):
     """Zebra-Llama's second stage: the hybrid assembled from an all-MLA and an all-mixer student takes each chosen
     sublayer (with the MLP after it) from the one that has it, tensor for tensor, whatever the YaRN setting; select
     ranks every layer by the KL to the teacher with that layer as MLA and prints a pattern of --count of them."""
-    from hybridtitan.loader import read_model
+    from hybridtitan.model_loader import read_model
     from hybridtitan.upcycle import main
 
     make_llama(tmp_path / "llama")

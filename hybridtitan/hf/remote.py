@@ -22,12 +22,12 @@ PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # hy
 # first.
 MODULES = (
     "hf/configuration.py", "hf/modeling.py",
-    "models/__init__.py", "models/args.py", "models/pattern.py", "models/flavors.py", "models/common.py",
+    "models/__init__.py", "models/args.py", "models/pattern.py", "models/flavors.py", "models/modules.py",
     "models/rope.py", "models/mla.py", "models/gqa.py", "models/gdn.py", "models/kda.py", "models/mamba2.py",
     "models/model.py",
     "ops/__init__.py", "ops/chunking.py", "ops/context_parallel.py", "ops/reference.py", "ops/cross_entropy.py",
-    "ops/distill.py", "ops/cuda_graphs.py", "ops/fla_backend.py", "ops/conv_triton.py",
-    "ops/cross_entropy_triton.py", "ops/distill_triton.py",
+    "ops/kl_div.py", "ops/cuda_graphs.py", "ops/fla_backend.py", "ops/conv_triton.py",
+    "ops/cross_entropy_triton.py", "ops/kl_div_triton.py",
     "parallel.py",
 )
 ENTRY_POINTS = {"hf/configuration.py": "configuration_hybridtitan", "hf/modeling.py": "modeling_hybridtitan"}

@@ -17,7 +17,7 @@ from hybridtitan import ops
 from hybridtitan.ops import Kernels
 
 from .args import GQAArgs
-from .common import extend_cache, fused_linear, new_positions
+from .modules import extend_cache, fused_linear, new_positions
 from .rope import apply_rope, llama3_inv_freq, plain_inv_freq, rope_cos_sin
 
 

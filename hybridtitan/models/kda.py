@@ -15,7 +15,7 @@ from hybridtitan import ops
 from hybridtitan.ops import Kernels
 
 from .args import KDAArgs
-from .common import GatedRMSNorm, ShortConvolution, fused_linear, fused_short_conv, init_dt_bias, init_log_uniform_A
+from .modules import GatedRMSNorm, ShortConvolution, fused_linear, fused_short_conv, init_dt_bias, init_log_uniform_A
 
 
 class KimiDeltaAttention(nn.Module):

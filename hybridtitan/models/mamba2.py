@@ -24,7 +24,7 @@ from hybridtitan import ops
 from hybridtitan.ops import Kernels
 
 from .args import Mamba2Args
-from .common import GatedRMSNorm, ShortConvolution, init_dt_bias, init_log_uniform_A
+from .modules import GatedRMSNorm, ShortConvolution, init_dt_bias, init_log_uniform_A
 
 
 class Mamba2(nn.Module):

@@ -22,7 +22,7 @@ from hybridtitan import ops
 from hybridtitan.ops import Kernels
 
 from .args import MLAArgs
-from .common import RMSNorm, extend_cache, fused_linear, new_positions
+from .modules import RMSNorm, extend_cache, fused_linear, new_positions
 from .rope import apply_rope, rope_cos_sin, yarn_inv_freq, yarn_mscale
 
 

@@ -23,12 +23,12 @@ from hybridtitan import ops
 from hybridtitan.ops import Kernels
 
 from .args import ModelArgs
-from .common import GatedRMSNorm, RMSNorm, ShortConvolution, SwiGLU
 from .gdn import GatedDeltaNet
 from .gqa import GroupedQueryAttention
 from .kda import KimiDeltaAttention
 from .mamba2 import Mamba2
 from .mla import MultiLatentAttention
+from .modules import GatedRMSNorm, RMSNorm, ShortConvolution, SwiGLU
 
 MIXER_CLASSES = {"gdn": GatedDeltaNet, "kda": KimiDeltaAttention, "mamba2": Mamba2}
 BODY_NAMES = {"attention": "attn", "mixer": "mixer", "mlp": "mlp"}

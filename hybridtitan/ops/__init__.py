@@ -23,7 +23,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import context_parallel, cross_entropy, distill, reference
+from . import context_parallel, cross_entropy, kl_div, reference
 
 __all__ = ["KernelConfig", "Kernels", "DEFAULT"]
 
@@ -336,8 +336,8 @@ class Kernels:
     def linear_kl_div(self, hidden, weight, t_hidden, t_weight, targets, *, temperature: float = 1.0,
                       kl_weight: float = 1.0, ce_weight: float = 0.0, ignore_index: int = -100, chunk_size: int = 1024):
         """(loss, summed KL_T, summed cross-entropy, counted tokens) of a student's hidden states and output weight
-        against a teacher's, a chunk of tokens at a time (``distill``): loss = kl_weight * T^2 * KL_T +
-        ce_weight * CE. Each chunk's elementwise part in our Triton kernel on GPUs (``distill_triton``), compiled
+        against a teacher's, a chunk of tokens at a time (``kl_div``): loss = kl_weight * T^2 * KL_T +
+        ce_weight * CE. Each chunk's elementwise part in our Triton kernel on GPUs (``kl_div_triton``), compiled
         or eager elsewhere; with ``fla_kl``, on GPUs at temperature 1, FLA's fused KL instead (and the
         cross-entropy, where weighted, ours)."""
         on_gpu = self.backend_for(hidden) == "fla"
@@ -353,14 +353,14 @@ class Kernels:
                 loss = loss + ce_weight * ce
             return loss, kl.detach(), ce.detach(), valid.sum()
         if self.config.compiled_loss and not self.config.reference:
-            chunk_fn = distill.compiled_kl_chunk()
+            chunk_fn = kl_div.compiled_kl_chunk()
         elif on_gpu and self.config.triton_loss:
-            from . import distill_triton
+            from . import kl_div_triton
 
-            chunk_fn = distill_triton.kl_chunk if distill_triton.applies(temperature, ce_weight) else distill.kl_chunk
+            chunk_fn = kl_div_triton.kl_chunk if kl_div_triton.applies(temperature, ce_weight) else kl_div.kl_chunk
         else:
-            chunk_fn = distill.kl_chunk
-        return distill.linear_kl_div(hidden, weight, t_hidden, t_weight, targets, temperature=temperature,
+            chunk_fn = kl_div.kl_chunk
+        return kl_div.linear_kl_div(hidden, weight, t_hidden, t_weight, targets, temperature=temperature,
                                      kl_weight=kl_weight, ce_weight=ce_weight, ignore_index=ignore_index,
                                      chunk_size=chunk_size, chunk_fn=chunk_fn)
 

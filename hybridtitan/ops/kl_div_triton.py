@@ -72,7 +72,7 @@ def _kl_rows(s_ptr, t_ptr, target_ptr, weight_ptr, kl_ptr, ce_ptr, n_rows, n_col
 
 def kl_chunk(s_logits: torch.Tensor, t_logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor,
              temperature: float, kl_scale: float, ce_weight: float, *, block: int = BLOCK, num_warps: int = NUM_WARPS):
-    """The signature of ``distill.kl_chunk``: (summed KL_T, summed cross-entropy, d loss / d student logits
+    """The signature of ``kl_div.kl_chunk``: (summed KL_T, summed cross-entropy, d loss / d student logits
     written over ``s_logits``). The cross-entropy only at temperature 1 (``applies``)."""
     if not applies(temperature, ce_weight):
         raise ValueError("the KL kernel takes the cross-entropy at temperature 1 only")
