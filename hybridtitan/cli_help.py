@@ -1,8 +1,8 @@
 """The keys hybridtitan reads, with their defaults and meaning: ``--help`` for the trainer and ``describe``, and
 docs/config-reference.md (``python -m hybridtitan.describe --config-reference``).
 
-Each description is the docstring (or trailing comment) of the field in hybridtitan.job_config, or the text below
-where hybridtitan accepts less than the field's type admits (a torchtitan key's type, kept as torchtitan has it).
+Each key's type, default and description are its field's in hybridtitan.job_config: the type (a ``type_text`` in
+the field's metadata where words say it better), the default, and the docstring (or trailing comment).
 """
 
 import ast
@@ -11,43 +11,6 @@ import textwrap
 import typing
 from dataclasses import fields, is_dataclass
 from typing import Literal
-
-# Where hybridtitan accepts less than the field's type admits (torchtitan's type, kept), or does something else
-# with the key than torchtitan's description says.
-OVERRIDES = {
-    "activation_checkpoint.mode": ("none, selective or full",
-                                   "none; selective: every N-th sublayer (N = selective_ac_option); full: every "
-                                   "sublayer is recomputed in the backward pass"),
-    "activation_checkpoint.selective_ac_option": ("N", "selective mode: checkpoint every N-th sublayer (an "
-                                                       "integer >= 1)"),
-    "checkpoint.async_mode": ("disabled or async", "async: checkpoints are written in the background while "
-                                                   "training goes on"),
-    "checkpoint.keep_latest_k": (None, "Keep only the newest K checkpoints (0: keep all)"),
-    "compile.enable": (None, "torch.compile the parts named in compile.components"),
-    "compile.components": ("list of model, loss, norm, swiglu",
-                           "model: each sublayer; loss: the elementwise part of each cross-entropy chunk; norm: "
-                           "each RMSNorm with the residual add before it; swiglu: the MLPs' elementwise passes"),
-    "training.mixed_precision_param": (None, "GPUs: the dtype FSDP2 gathers parameters in and computes with "
-                                             "(master weights stay float32). CPUs always compute in float32"),
-    "training.mixed_precision_reduce": (None, "The dtype of FSDP2's gradient reductions"),
-    "training.kernel_configs": ("shipped, autotune or a folder", None),
-    "optimizer.name": ("AdamW or Adam", "Weight decay applies to weight matrices only"),
-    "optimizer.implementation": (None, "torch's Adam/AdamW kernels: fused (CPUs and GPUs), foreach or for-loop; "
-                                       "the update runs on each rank's shards of the parameters"),
-    "checkpoint.initial_load_path": (None, "A step folder (e.g. OTHER_RUN/checkpoint/step-1000, or an import_hf "
-                                           "output) or a checkpoint folder (its newest step) to start from, when "
-                                           "this run's own checkpoint folder holds none; with one there, the run "
-                                           "resumes from it and this is ignored (said in the log)"),
-    "metrics.log_freq": (None, "Log loss, grad norm, lr, tokens/s, MFU and memory every N steps (console, "
-                               "dump_folder/metrics.jsonl, TensorBoard)"),
-    "metrics.enable_wandb": (None, "Also log to Weights & Biases (pip install wandb)"),
-    "model.name": (None, "Model family (only 'hybrid')"),
-    "comm.init_timeout_seconds": (None, "Seconds a collective may wait before the run fails, until the first step "
-                                        "is done (start-up, compilation, autotuning)"),
-    "comm.train_timeout_seconds": (None, "Seconds a collective may wait after the first step: a rank that stops "
-                                         "answering (a hang) ends every rank within it, with one error line"),
-    "debug.seed": (None, "Base seed of the initial weights, the data order and the RNGs (None: 42)"),
-}
 
 MODEL_SUBSECTIONS = ("gdn", "kda", "mamba2", "mla", "gqa")
 
@@ -86,16 +49,25 @@ def _flow(doc: str) -> str:
     return "\n".join(line for line in out if line)
 
 
-def _type_text(tp) -> str:
+def choices_text(choices) -> str:
+    """("a", "b", "c") -> "a, b or c": how help and errors name a key's choices."""
+    words = [str(c) for c in choices]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def type_text(tp, f=None) -> str:
+    """The key's type in words: its field's ``type_text`` metadata, else from the type."""
+    if f is not None and "type_text" in f.metadata:
+        return f.metadata["type_text"]
     origin = typing.get_origin(tp)
     if origin is Literal:
-        return " or ".join(str(a) for a in typing.get_args(tp))
+        return choices_text(typing.get_args(tp))
     if origin is list:
         (item,) = typing.get_args(tp) or (str,)
-        return f"list of {_type_text(item)}"
+        return f"list of {type_text(item)}"
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     if args and len(args) < len(typing.get_args(tp)):  # X | None
-        return _type_text(args[0])
+        return type_text(args[0])
     return "true or false" if tp is bool else getattr(tp, "__name__", str(tp))
 
 
@@ -117,9 +89,7 @@ def _entries(job_config_cls):
             if is_dataclass(tp):  # a subsection of its own, e.g. [validation.data]
                 rows += _subsection(key, tp, getattr(getattr(defaults, section), f.name))
                 continue
-            type_text, override = OVERRIDES.get(key, (None, None))
-            rows.append((key, type_text or _type_text(tp), getattr(getattr(defaults, section), f.name),
-                         override or docs.get(f.name, "")))
+            rows.append((key, type_text(tp, f), getattr(getattr(defaults, section), f.name), docs.get(f.name, "")))
         if rows:
             yield section, rows
 
@@ -133,7 +103,7 @@ def _subsection(prefix: str, cls, defaults):
         if is_dataclass(hints[f.name]):
             rows += _subsection(f"{prefix}.{f.name}", hints[f.name], getattr(defaults, f.name))
         else:
-            rows.append((f"{prefix}.{f.name}", _type_text(hints[f.name]), getattr(defaults, f.name),
+            rows.append((f"{prefix}.{f.name}", type_text(hints[f.name], f), getattr(defaults, f.name),
                          docs.get(f.name, "")))
     return rows
 
@@ -144,7 +114,7 @@ def _model_subsection(name: str, overrides_cls):
     args_cls = {"gdn": GDNArgs, "kda": KDAArgs, "mamba2": Mamba2Args, "mla": MLAArgs, "gqa": GQAArgs}[name]
     docs = _field_docs(args_cls)
     hints = typing.get_type_hints(overrides_cls)
-    return [(f"model.{name}.{f.name}", _type_text(hints[f.name]), "the flavor's", docs.get(f.name, ""))
+    return [(f"model.{name}.{f.name}", type_text(hints[f.name]), "the flavor's", docs.get(f.name, ""))
             for f in fields(overrides_cls)]
 
 

@@ -81,7 +81,8 @@ class Profiling:
 @dataclass(frozen=True)
 class Metrics:
     log_freq: int = 10
-    """How often to log metrics to TensorBoard, in iterations"""
+    """Log loss, grad norm, lr, tokens/s, MFU and memory every N steps (console, dump_folder/metrics.jsonl,
+    TensorBoard)"""
 
     enable_tensorboard: bool = False
     """Whether to log metrics to TensorBoard"""
@@ -90,7 +91,7 @@ class Metrics:
     """Folder to dump TensorBoard states"""
 
     enable_wandb: bool = False
-    """Whether to log metrics to Weights & Biases"""
+    """Also log to Weights & Biases (pip install wandb)"""
 
 
 @dataclass(frozen=True)
@@ -151,8 +152,8 @@ class Model:
 
 @dataclass(frozen=True)
 class Optimizer:
-    name: str = "AdamW"
-    """Optimizer to use"""
+    name: Literal['AdamW', 'Adam'] = "AdamW"
+    """Weight decay applies to weight matrices only"""
 
     lr: float = 0.0008
     """Learning rate to use"""
@@ -169,11 +170,8 @@ class Optimizer:
     """Weight decay to use"""
 
     implementation: Literal['for-loop', 'foreach', 'fused'] = "fused"
-    """Specify which optimizer implementation to use:
-    - 'fused': Use fused implementation (CUDA only) for best performance.
-    - 'foreach': Use some horizontal fusion of tensors for better performance.
-    - 'for-loop': Use the default implementation for the optimizer (slowest).
-    - more info: https://pytorch.org/docs/stable/optim.html"""
+    """torch's Adam/AdamW kernels: fused (CPUs and GPUs), foreach or for-loop; the update runs on each rank's shards
+    of the parameters"""
 
 
 @dataclass(frozen=True)
@@ -222,14 +220,11 @@ class Training:
     """How many train steps to run"""
 
     mixed_precision_param: Literal['bfloat16', 'float32'] = "bfloat16"
-    """torch dtype to use for parameters when applying mixed precision via fully_shard or torch.autocast. This feature
-    takes effect via fully_shard when data_parallel_shard_degree > 1 or context_parallel_degree > 1; it takes effect
-    via torch.autocast when data_replicate_degree >= 1 and no other parallelism is enabled, i.e. under DDP or
-    single-device training."""
+    """GPUs: the dtype FSDP2 gathers parameters in and computes with (master weights stay float32). CPUs always
+    compute in float32"""
 
     mixed_precision_reduce: Literal['float32'] = "float32"
-    """torch dtype to use for reductions when applying mixed precision via FSDP. This feature only takes effect when
-    data_parallel_shard_degree > 1"""
+    """The dtype of FSDP2's gradient reductions"""
 
     gc_freq: int = 50
     """Python garbage control scheduling interval, in steps"""
@@ -255,7 +250,7 @@ class Training:
     documents run eagerly). Much less host time per step for more memory (each layer keeps its own inputs, outputs
     and input gradients): for small micro-batches, where the host's kernel launches set the pace"""
 
-    kernel_configs: str = "shipped"
+    kernel_configs: str = field(default="shipped", metadata={"type_text": "shipped, autotune or a folder"})
     """GPU: where FLA's Triton kernels (and ours) take their tuned configurations from: shipped (the package's,
     hybridtitan/kernel_configs/<GPU>/, where they match this GPU and its Triton and FLA versions; otherwise FLA
     autotunes), autotune (FLA autotunes each kernel at each new shape, in every process), or the path of a folder
@@ -312,13 +307,9 @@ class Checkpoint:
     """Checkpointing interval in steps."""
 
     initial_load_path: str | None = None
-    """This option specifies the path to the initial checkpoint to load, which is particularly useful for resuming
-    training from a previous run with a different output path or when loading a checkpoint from a pre-trained model.
-    If the checkpoint folder for the current run is not empty, located at {--job.dump_folder}/{--checkpoint.folder},
-    this option will be ignored. This feature allows users to load an initial checkpoint from a different folder and
-    continue training, saving new checkpoints to the specified folder without affecting the existing ones.
-    Note that the path should contain the full path to the checkpoint folder, including the step number, if any; for
-    example, "//pre_train/checkpoints/llama3/llama3_8b/step_10000"."""
+    """A step folder (e.g. OTHER_RUN/checkpoint/step-1000, or an import_hf output) or a checkpoint folder (its newest
+    step) to start from, when this run's own checkpoint folder holds none; with one there, the run resumes from it
+    and this is ignored (said in the log)"""
 
     initial_load_model_only: bool = True
     """This option specifies if only the model should be loaded during the initial checkpoint load. The option is only
@@ -331,22 +322,11 @@ class Checkpoint:
     """Save only the model at the last step (smaller; the run cannot be extended from it). Off: the last checkpoint is
     a full one, like every other"""
 
-    async_mode: Literal['disabled', 'async', 'async_with_pinned_mem'] = "disabled"
-    """Which async checkpoint mode to use. Currently there are 3 different modes.
-    - "disabled": synchronized checkpointing will be used.
-    - "async": torch.distributed.checkpoint.async_save will be used.
-    - "async_with_pinned_mem": this option utilizes a dedicated pinned memory space and creates a separate process
-    for faster GPU->CPU transfer performance and eliminating GIL contention. The cost is increased CPU memory usage.
-    If insufficient CPU memory is available, performance may degrade due to memory paging. For most users, "async"
-    should suffice as the performance overhead is typically small (on the order of tens of seconds) compared to
-    checkpointing frequency. This mode can be employed to pursue near-zero checkpointing times (e.g., < 1 second)
-    given appropriate hardware support such as ample CPU memory and fast PCIe.
-    "disabled" is the default mode."""
+    async_mode: Literal['disabled', 'async'] = "disabled"
+    """async: checkpoints are written in the background while training goes on"""
 
     keep_latest_k: int = 10
-    """Keeps only the latest k checkpoints, and purging older ones. If 0, keep all checkpoints. K cannot be 1 as the
-    last one may be in the process of being saved. As a result, the metadata of the last one may not be ready yet.
-    The default value is 10 to avoid filling up the disk."""
+    """Keep only the newest K checkpoints (0: keep all)"""
 
     load_step: int = -1
     """Load the checkpoint at the specified step. If -1, load the latest checkpoint."""
@@ -367,31 +347,33 @@ class Checkpoint:
 
 @dataclass(frozen=True)
 class ActivationCheckpoint:
-    mode: Literal['selective', 'full', 'memory_budget', 'none'] = "selective"
-    """Type of activation checkpointing to use"""
+    mode: Literal['none', 'selective', 'full'] = "selective"
+    """none; selective: every N-th sublayer (N = selective_ac_option); full: every sublayer is recomputed in the
+    backward pass"""
 
-    selective_ac_option: str = "2"
-    """Selective activation checkpointing options ['int', 'op']. 'int' (e.g., 2) for every nth layer, or 'op' for op
-    level ac."""
+    selective_ac_option: str = field(default="2", metadata={"type_text": "N"})
+    """selective mode: checkpoint every N-th sublayer (an integer >= 1)"""
 
 
 @dataclass(frozen=True)
 class Compile:
     enable: bool = False
-    """Whether to apply torch.compile"""
+    """torch.compile the parts named in compile.components"""
 
-    components: list[str] = field(default_factory=lambda: ["model", "loss"])
-    """Which components to compile"""
+    components: list[Literal['model', 'loss', 'norm', 'swiglu']] = field(default_factory=lambda: ["model", "loss"])
+    """model: each sublayer; loss: the elementwise part of each cross-entropy chunk; norm: each RMSNorm with the
+    residual add before it; swiglu: the MLPs' elementwise passes"""
 
 
 @dataclass(frozen=True)
 class Comm:
     init_timeout_seconds: int = 300
-    """Timeout for communication operations, during initialization and first train step."""
+    """Seconds a collective may wait before the run fails, until the first step is done (start-up, compilation,
+    autotuning)"""
 
     train_timeout_seconds: int = 100
-    """Timeout for communication operations after the first train step -- usually a tighter bound than during
-    initialization."""
+    """Seconds a collective may wait after the first step: a rank that stops answering (a hang) ends every rank
+    within it, with one error line"""
 
 
 def _held_out() -> Data:
@@ -423,7 +405,7 @@ class Validation:
 @dataclass(frozen=True)
 class Debug:
     seed: int | None = None
-    """Choose the base RNG seed used for training"""
+    """Base seed of the initial weights, the data order and the RNGs (None: 42)"""
 
     deterministic: bool = False
     """Use deterministic algorithms wherever possible, may be slower"""

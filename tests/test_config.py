@@ -17,6 +17,8 @@ BAD_TOML = {
     "unknown_section": "[trainingg]\nsteps = 3\n",
     "unknown_key": "[training]\nstepz = 3\n",
     "wrong_type": '[training]\nsteps = "many"\n',
+    "not_a_choice": '[checkpoint]\nasync_mode = "async_with_pinned_mem"\n',
+    "not_choices": '[compile]\ncomponents = ["loss", "nrom"]\n',
 }
 
 @pytest.mark.parametrize("case", sorted(BAD_TOML))
@@ -28,7 +30,10 @@ def test_bad_toml(tmp_path, capsys, case):
     assert err.startswith("error: ") and "\n" not in err, err
     assert {"syntax": "TOML syntax error", "unknown_section": "unknown section 'trainingg'",
             "unknown_key": "unknown key 'training.stepz' in section [training] (did you mean 'training.steps'?)",
-            "wrong_type": "training.steps must be int"}[case] in err
+            "wrong_type": "training.steps must be int",
+            "not_a_choice": "checkpoint.async_mode must be disabled or async, got 'async_with_pinned_mem'",
+            "not_choices": "compile.components must be a list of model, loss, norm or swiglu, got ['loss', 'nrom']",
+            }[case] in err
     assert not (tmp_path / "d").exists()
 
 BAD_CLI = {
@@ -122,8 +127,9 @@ def test_no_arguments_prints_the_usage(capsys):
     (["--data.text_field", "nope"], "data.text_field"),
     (["--checkpoint.async_mode", "async_with_pinned_mem"], "checkpoint.async_mode"),
     (["--compile.enable", "true", "--compile.components", "loss,nrom"],
-     "must name some of model, loss, norm and swiglu"),
-    (["--parallelism.fsdp_reshard_after_forward", "sometimes"], "invalid choice 'sometimes'"),
+     "--compile.components must be a comma-separated list of model, loss, norm or swiglu, got 'loss,nrom'"),
+    (["--parallelism.fsdp_reshard_after_forward", "sometimes"],
+     "--parallelism.fsdp_reshard_after_forward must be default, always or never, got 'sometimes'"),
     (["--training.gc_freq", "0"], "training.gc_freq must be 1 or more"),
     (["--training.max_norm", "-1"], "training.max_norm must be a positive number"),
     (["--optimizer.lr", "nan"], "optimizer.lr must be a positive number"),
@@ -132,8 +138,11 @@ def test_no_arguments_prints_the_usage(capsys):
     (["--lr_scheduler.min_lr_factor", "2"], "lr_scheduler.min_lr_factor must be in [0, 1]"),
     (["--debug.seed", "-1"], "debug.seed must be in [0, 2**32)"),
     (["--profiling.enable_profiling", "--profiling.profiler_active", "0"], "profiling.profiler_active"),
-    # tyro's messages, in the keys and words the user typed
-    (["--lr_scheduler.decay_type", "cosin"], "invalid choice 'cosin' for argument '--lr_scheduler.decay_type'"),
+    # in the keys and words the user typed; every key's choices from its type (job_config)
+    (["--lr_scheduler.decay_type", "cosin"], "--lr_scheduler.decay_type must be linear, sqrt or cosine, got 'cosin'"),
+    (["--checkpoint.async_mode", "async_with_pinned_mem"],
+     "--checkpoint.async_mode must be disabled or async, got 'async_with_pinned_mem'"),
+    (["--optimizer.name", "SGD"], "--optimizer.name must be AdamW or Adam, got 'SGD'"),
     (["--activation_checkpoint.mode", "selectiv"],
      "--activation_checkpoint.mode must be none, selective or full, got 'selectiv'"),
     (["--training.steps", "four"], "--training.steps must be an integer, got 'four'"),
@@ -213,7 +222,18 @@ def test_schema_keeps_torchtitans_names_types_and_defaults():
     # hybridtitan's own meaning and default
     overridden = {"model.name", "model.flavor", "validation.enable", "validation.freq", "validation.steps",
                   "validation.local_batch_size", "validation.seq_len", "checkpoint.last_save_model_only"}
-    for key in shared - overridden:
+    # the values hybridtitan implements, of those torchtitan's type admits: the same default, fewer choices
+    narrowed = {"activation_checkpoint.mode", "checkpoint.async_mode", "compile.components", "optimizer.name"}
+
+    def choices(tp):
+        tp = typing.get_args(tp)[0] if typing.get_origin(tp) is list else tp
+        return set(typing.get_args(tp)) if typing.get_origin(tp) is typing.Literal else None
+
+    for key in narrowed:
+        (ours_tp, ours_default), (theirs_tp, theirs_default) = ours[key], theirs[key]
+        assert ours_default == theirs_default and choices(ours_tp), key
+        assert choices(theirs_tp) is None or choices(ours_tp) < choices(theirs_tp), key
+    for key in shared - overridden - narrowed:
         assert ours[key] == theirs[key], key
     assert TITAN_OPTIONS == {key: value for key, value in theirs.items() if key not in ours}
 
