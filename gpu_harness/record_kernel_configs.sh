@@ -33,7 +33,10 @@ step() {  # step NAME COMMAND...: run it within min(STEP_S, what is left), log i
     return
   fi
   local t0=$SECONDS
-  timeout -k 30 "$budget" "$@" > "$OUT/$name.log" 2>&1
+  mkdir -p "$(dirname "$OUT/$name.log")"  # upcycle/NAME
+  # --foreground: SIGTERM to the tuner alone, which then records what it tuned; sent to its process group as well,
+  # it killed the ptxas compiling a kernel (exit -15), which Triton's autotuner passes over as a failed config
+  timeout --foreground -k 30 "$budget" "$@" > "$OUT/$name.log" 2>&1
   local code=$?
   echo "exit $code  $name  $((SECONDS - t0)) s  $(grep -E '^hybridtitan.tune:|^recorded|^error' "$OUT/$name.log" \
     | tail -1)" | tee -a "$OUT/summary.txt"

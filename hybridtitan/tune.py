@@ -141,16 +141,14 @@ def main(argv: list[str] | None = None) -> None:
         started = time.perf_counter()
         trainer = Trainer(cfg, plan)
         # a time box (SIGTERM) ends the run, not the recording: the shapes tuned so far are kept
-        signal.signal(signal.SIGTERM, _stop)
-        stopped = False
-        try:
+        def run():
             trainer.train()
             if own.decode:
                 run_decoding(plan.model.args, device)
-        except Stopped:
-            stopped = True
+
+        try:
+            stopped = not ran_to_the_end(run)
         finally:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             trainer.close(True)
     seconds = time.perf_counter() - started
     recorded = {"recipe": recipe.job.config_file, "argv": recipe_argv, "decode": own.decode,
@@ -174,8 +172,31 @@ class Stopped(BaseException):
     so that no `except Exception` of a kernel's autotuning loop swallows it."""
 
 
+_signalled = False
+
+
 def _stop(signum, frame):
+    global _signalled
+    _signalled = True
     raise Stopped()
+
+
+def ran_to_the_end(run) -> bool:
+    """Runs ``run()`` under the time box's SIGTERM: True if it ended, False if SIGTERM stopped it, whatever the
+    error it surfaced as (torch.compile's compiling wraps an exception raised inside it)."""
+    global _signalled
+    _signalled = False
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        run()
+        return True
+    except BaseException as error:
+        if not _signalled:
+            raise
+        print(f"hybridtitan.tune: SIGTERM; the run ended with {type(error).__name__}", file=sys.stderr)
+        return False
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 if __name__ == "__main__":

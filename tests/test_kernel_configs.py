@@ -9,10 +9,12 @@ configurations a kernel would compile."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -304,3 +306,21 @@ def test_a_time_box_is_not_swallowed_by_an_except_exception():
             tune._stop(signal.SIGTERM, None)
         except Exception:
             pass
+
+
+def test_a_time_box_records_what_was_tuned_whatever_error_the_stop_became():
+    """SIGTERM inside torch.compile's compiling surfaces as the compiler's own error: still a stop, not a crash."""
+    from hybridtitan import tune
+
+    def compiling():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises here
+        except BaseException as error:
+            raise RuntimeError("BackendCompilerFailed") from error
+
+    assert tune.ran_to_the_end(lambda: None)
+    assert not tune.ran_to_the_end(compiling)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    with pytest.raises(ValueError):  # an error of its own, without a SIGTERM, is raised as it is
+        tune.ran_to_the_end(lambda: int("x"))
