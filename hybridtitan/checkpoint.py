@@ -127,6 +127,28 @@ def load_model_args(step_dir: str) -> ModelArgs:
 def read_dcp_model_state(step_dir: str, args: ModelArgs) -> dict[str, torch.Tensor]:
     """The model tensors of a DCP step folder, under HybridLM's names, in their stored dtype, read straight from
     the folder (no model is built). CheckpointError if the folder lacks a tensor or disagrees with model_args."""
+    stored = _stored_model_tensors(step_dir, args)
+    state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in stored.items()}
+    try:
+        dcp.load({"model": state}, checkpoint_id=step_dir, no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 -- CheckpointException is a BaseException
+        raise CheckpointError(f"cannot read the model from {step_dir}: {first_error_line(e)}") from None
+    return state
+
+
+def read_dcp_shards(step_dir: str, args: ModelArgs, state: dict[str, torch.Tensor]) -> None:
+    """Fills ``state`` (HybridLM's names -> a model's own FSDP2-sharded parameters) from a DCP step folder, every
+    rank of the process group reading the pieces it holds alone, cast to the parameters' dtype. CheckpointError as
+    read_dcp_model_state."""
+    _stored_model_tensors(step_dir, args)
+    try:
+        dcp.load({"model": state}, checkpoint_id=step_dir)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 -- CheckpointException is a BaseException
+        raise CheckpointError(f"cannot read the model from {step_dir}: {first_error_line(e)}") from None
+
+
+def _stored_model_tensors(step_dir: str, args: ModelArgs) -> dict:
+    """HybridLM name -> the stored tensor's metadata, for every tensor model_args implies, with its shape checked."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
@@ -144,12 +166,7 @@ def read_dcp_model_state(step_dir: str, args: ModelArgs) -> dict[str, torch.Tens
         if tuple(stored[key].size) != shape:
             raise CheckpointError(f"{step_dir}: tensor {key} has shape {tuple(stored[key].size)}, but model_args.json "
                                   f"implies {shape}")
-    state = {k: torch.empty(tuple(stored[k].size), dtype=stored[k].properties.dtype) for k in expected}
-    try:
-        dcp.load({"model": state}, checkpoint_id=step_dir, no_dist=True)
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 -- CheckpointException is a BaseException
-        raise CheckpointError(f"cannot read the model from {step_dir}: {first_error_line(e)}") from None
-    return state
+    return {k: stored[k] for k in expected}
 
 
 def load_model(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,

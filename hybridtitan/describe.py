@@ -96,7 +96,10 @@ def teacher_estimate(cfg, args, tokens: int, param_bytes: int) -> dict:
             chunk = min(tokens, d.chunk_size)
             eager = param_bytes != 2 or (d.ce_weight and d.temperature != 1)
             loss_bytes = chunk * t.vocab_size * (2 * param_bytes + (5 * 4 if eager else 0))
-    return {"bytes": total, "loss_bytes": loss_bytes,
+    # host memory of a rank while it reads the teacher (model_loader.load_into_shards): its shard, and a stored
+    # tensor in flight twice (DCP's reader holds its bytes and the tensor made of them), the largest the embedding
+    host = counts["total"] * param_bytes / shard + 2 * t.vocab_size * t.dim * param_bytes
+    return {"bytes": total, "loss_bytes": loss_bytes, "host_bytes": host, "whole_bytes": counts["total"] * param_bytes,
             "flops_per_token": training_flops_per_token(args, cfg.training.seq_len, d, Teacher(d.teacher, t)),
             "assumes": f"; the teacher {t.pattern} ({counts['total']:,} parameters, {8 * param_bytes}-bit) sharded "
                        f"over {shard} rank(s), its forward's FLOPs counted"}
@@ -162,6 +165,8 @@ def describe(cfg) -> dict:
         "memory_estimate_gib": {
             "params_grads_optimizer": states / GIB, "activations": act_bytes / GIB, "loss_chunk": loss_bytes / GIB,
             "teacher": teacher.get("bytes", 0) / GIB,
+            "teacher_host_while_loading": teacher.get("host_bytes", 0) / GIB,
+            "teacher_whole": teacher.get("whole_bytes", 0) / GIB,
             "total": (states + act_bytes + loss_bytes + teacher.get("bytes", 0)) / GIB,
             "assumes": f"fp32 master weights, gradients and AdamW moments sharded over {shard} rank(s)"
                        f"{' (data_parallel_shard_degree -1 is counted as 1 here)' if unknown_degree else ''}"
@@ -191,6 +196,9 @@ def _print_table(d: dict) -> None:
           f"{m['total']:.2f} GiB = states {m['params_grads_optimizer']:.2f} + activations {m['activations']:.2f} "
           + (f"+ teacher {m['teacher']:.2f} " if m["teacher"] else "") +
           f"+ loss chunk {m['loss_chunk']:.2f}  ({m['assumes']})")
+    if m["teacher_host_while_loading"]:
+        print(f"host memory per rank while the teacher loads: {m['teacher_host_while_loading']:.2f} GiB (each rank "
+              f"reads its shard alone; the whole teacher is {m['teacher_whole']:.2f} GiB)")
 
 
 def batch_plan(cfg, world_size: int) -> dict:

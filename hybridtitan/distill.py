@@ -114,22 +114,18 @@ class Distiller:
     """The teacher and the losses of one run."""
 
     def __init__(self, d, teacher: Teacher, mesh, device: torch.device, kernels, param_dtype: torch.dtype):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        from hybridtitan.model_loader import read_model
+        from hybridtitan.model_loader import load_into_shards
         from hybridtitan.models import build_model
         from hybridtitan.parallel import parallelize
 
         self.d, self.kernels = d, kernels
-        args, state, source = read_model(teacher.path)
+        args = teacher.args
         model = build_model(args, "meta", kernels).to(param_dtype)
         # every module frees its gathered parameters after its forward (the root too: no backward needs them)
         parallelize(model, mesh, ac_mode="none", ac_every=1, compile_model=False, param_dtype=param_dtype,
                     reduce_dtype=param_dtype, reshard_after_forward="always")
         model.to_empty(device=device)
-        set_model_state_dict(model, {k: v.to(param_dtype) for k, v in state.items()},
-                             options=StateDictOptions(full_state_dict=True, strict=True))
-        del state
+        source = load_into_shards(model, teacher.path)  # each rank reads its shard alone, never the whole teacher
         self.teacher = model.requires_grad_(False).eval()
         n_params = sum(p.numel() for p in model.parameters())
         logger.info(f"distillation teacher: {source}, pattern {args.pattern}, {n_params:,} "

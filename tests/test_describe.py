@@ -219,3 +219,23 @@ def test_plan_for_gpus_and_check(capsys):
     with pytest.raises(SystemExit):  # the data, as the trainer checks it
         main(["--job.config_file", recipe, "--world-size", "8", "--check"])
     assert "data: data.path: no Megatron .idx file matches" in capsys.readouterr().out
+
+
+def test_an_8B_teacher_on_a_node_of_eight_is_read_an_eighth_a_rank(tmp_path, capsys):
+    """The host memory a rank holds while it reads a teacher (model_loader.load_into_shards): its shard and a
+    tensor in flight, not the whole 8B (a folder of config.json alone: describe reads no weights)."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+                tie_word_embeddings=False).save_pretrained(tmp_path)
+    recipe = str(ROOT / "train_configs" / "upcycle" / "zebra_llama_1B_kl.toml")
+    shards = {}
+    for n in (1, 8):
+        shards[n] = _json(capsys, ["--job.config_file", recipe, "--distill.teacher", str(tmp_path),
+                                   "--parallelism.data_parallel_shard_degree", str(n)])["memory_estimate_gib"]
+    whole = 8_030_261_248 * 2 / 2**30
+    assert shards[8]["teacher_whole"] == pytest.approx(whole)
+    embedding = 2 * 128256 * 4096 * 2 / 2**30
+    assert shards[8]["teacher_host_while_loading"] == pytest.approx(whole / 8 + embedding)
+    assert shards[1]["teacher_host_while_loading"] == pytest.approx(whole + embedding)

@@ -300,6 +300,50 @@ def model_args_from_hf_config(cfg: dict, folder: str) -> ModelArgs:
 def read_hf_model(folder: str) -> tuple[ModelArgs, dict[str, torch.Tensor], str]:
     """(ModelArgs, state under HybridLM's names, model_type) of a Llama folder (LlamaForCausalLM), an FLA GDN/KDA
     folder or a hybridtitan export."""
+    args, model_type, rename = _hf_naming(folder)
+    state = {}
+    for key, t in read_hf_tensors(folder).items():
+        ours = rename(key)
+        if ours is not None:
+            state[ours] = t
+    return args, state, model_type
+
+
+def hf_tensor_files(folder: str) -> tuple[ModelArgs, dict[str, tuple[str, str]]]:
+    """(ModelArgs, HybridLM name -> (safetensors file, its name there)) of a safetensors folder: where each tensor
+    lies, so that a rank can read the rows it holds alone (model_loader.load_into_shards). ConversionError for a
+    folder of pytorch_model.bin alone (no partial reads)."""
+    from safetensors import safe_open
+
+    args, _, rename = _hf_naming(folder)
+    index = os.path.join(folder, SAFE_INDEX)
+    try:
+        if os.path.isfile(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        elif os.path.isfile(os.path.join(folder, SAFE_SINGLE)):
+            files = [SAFE_SINGLE]
+        else:
+            raise ConversionError(f"{folder} has no safetensors weights ({SAFE_SINGLE} or {SAFE_INDEX})")
+        where = {}
+        for name in files:
+            path = os.path.join(folder, name)
+            if not os.path.isfile(path):
+                raise ConversionError(f"{folder}: shard {name} named in {SAFE_INDEX} is missing")
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    ours = rename(key)
+                    if ours is not None:
+                        where[ours] = (path, key)
+    except ConversionError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- a truncated or foreign file: one line
+        raise ConversionError(f"cannot read the weights in {folder}: {first_error_line(e)}") from None
+    return args, where
+
+
+def _hf_naming(folder: str):
+    """(ModelArgs, model_type, a function: the folder's tensor name -> HybridLM's, None for a tied copy)."""
     if not os.path.isdir(folder):
         raise ConversionError(f"model folder not found: {folder}")
     if not is_hf_folder(folder):
@@ -310,23 +354,17 @@ def read_hf_model(folder: str) -> tuple[ModelArgs, dict[str, torch.Tensor], str]
     cfg = read_hf_config(folder)
     model_type = cfg.get("model_type")
     args = model_args_from_hf_config(cfg, folder)
-    if model_type == OWN_MODEL_TYPE:
-        tensors = read_hf_tensors(folder)
-        state = {}
-        for key, t in tensors.items():
-            if not key.startswith("model."):
-                raise ConversionError(f"unexpected tensor {key} in {folder} (hybridtitan exports keep 'model.' names)")
-            state[key[len("model."):]] = t
-    else:
-        rename = from_llama_key if model_type == LLAMA_MODEL_TYPE else from_fla_key
-        tensors = read_hf_tensors(folder)
-        state = {}
-        for key, t in tensors.items():
-            ours = rename(key)
-            if ours == "lm_head.weight" and args.tie_embeddings:
-                continue  # a tied copy of the embedding
-            state[ours] = t
-    return args, state, model_type
+
+    def own(key: str) -> str:
+        if not key.startswith("model."):
+            raise ConversionError(f"unexpected tensor {key} in {folder} (hybridtitan exports keep 'model.' names)")
+        return key[len("model."):]
+
+    def other(key: str) -> str | None:
+        ours = (from_llama_key if model_type == LLAMA_MODEL_TYPE else from_fla_key)(key)
+        return None if ours == "lm_head.weight" and args.tie_embeddings else ours  # a tied copy of the embedding
+
+    return args, model_type, own if model_type == OWN_MODEL_TYPE else other
 
 
 def load_tokenizer(path: str, vocab_size: int | None = None):
