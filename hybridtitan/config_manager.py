@@ -450,9 +450,15 @@ def _check_numbers(cfg) -> None:
             raise ConfigError(f"{key} must be {wanted}, got {value}")
 
 
-def model_args(cfg) -> ModelArgs:
-    """The flavor with the recipe's [model] keys applied, validated (pattern parsed once)."""
+FROM_CHECKPOINT = "checkpoint"  # model.flavor: the model arguments saved with checkpoint.initial_load_path
+
+
+def model_args(cfg: JobConfig) -> ModelArgs:
+    """The flavor with the recipe's [model] keys applied, validated (pattern parsed once); for flavor
+    "checkpoint", the model arguments checkpoint.initial_load_path holds, with which the keys given must agree."""
     m = cfg.model
+    if m.flavor == FROM_CHECKPOINT:
+        return _saved_model_args(cfg)
     base = get_flavor(m.flavor)
     changes = {name: getattr(m, name) for name in
                ("mixer", "attention", "n_layers", "dim", "ffn_dim", "vocab_size", "tie_embeddings", "norm_eps",
@@ -475,6 +481,40 @@ def model_args(cfg) -> ModelArgs:
     args = dataclasses.replace(base, **changes)
     _refuse_default_sizes(m, base, args)
     return args
+
+
+def _saved_model_args(cfg: JobConfig) -> ModelArgs:
+    """The model arguments of checkpoint.initial_load_path (a step folder's model_args.json, or a Hugging Face
+    folder's config), the recipe's [model] keys checked against them: a model of any shape trains without its
+    sizes copied into the recipe, and a recipe that says otherwise is refused, not silently overruled."""
+    from hybridtitan.model_folder import read_folder
+
+    path = cfg.checkpoint.initial_load_path
+    if not path:
+        raise ConfigError(f"model.flavor {FROM_CHECKPOINT!r} takes the model arguments saved with the checkpoint "
+                          "the run starts from: give checkpoint.initial_load_path")
+    try:
+        held = read_folder(path)
+    except Exception as e:  # noqa: BLE001 -- CheckpointError, ConversionError: one line
+        raise ConfigError(f"model.flavor {FROM_CHECKPOINT!r}: checkpoint.initial_load_path: {e}") from None
+    saved, m = held.args, cfg.model
+    given = {name: getattr(m, name) for name in
+             ("mixer", "attention", "n_layers", "dim", "ffn_dim", "vocab_size", "tie_embeddings", "norm_eps",
+              "init_std", "pattern") if getattr(m, name) is not None}
+    for sub in ("gdn", "kda", "mamba2", "mla", "gqa"):
+        given.update({f"{sub}.{k}": v for k, v in dataclasses.asdict(getattr(m, sub)).items() if v is not None})
+    for key, value in given.items():
+        held_value = saved
+        for part in key.split("."):
+            held_value = getattr(held_value, part)
+        if value != held_value:
+            raise ConfigError(f"model.{key} = {value!r}, but {held.source} holds a model with {held_value!r}: "
+                              f"leave it out (model.flavor {FROM_CHECKPOINT!r} takes the checkpoint's) or name a "
+                              "flavor")
+    if m.hybrid_attention_ratio is not None:
+        raise ConfigError(f"model.hybrid_attention_ratio with model.flavor {FROM_CHECKPOINT!r}: the checkpoint's "
+                          f"pattern is {saved.pattern}")
+    return saved
 
 
 # The mixer and attention sections' defaults are the 300M flavors' sizes (dim 1024). A sublayer kind that a flavor

@@ -100,7 +100,8 @@ class Model:
     """Model family (only 'hybrid')"""
 
     flavor: str = "debug_hybrid"
-    """Named configuration (python -m hybridtitan.describe --list); the keys below override it"""
+    """Named configuration (python -m hybridtitan.describe --list), the keys below overriding it; 'checkpoint': the
+    model checkpoint.initial_load_path holds (upcycle's output), the keys below only checked against it"""
 
     pattern: str | None = None
     """Sublayer pattern: '*' MLA attention, 'M' mixer, '-' SwiGLU MLP, e.g. '*-M-M-M-*-M-M-M-*-M-M-M-'"""

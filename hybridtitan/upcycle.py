@@ -500,11 +500,12 @@ def main(argv: list[str] | None = None) -> None:
         print(line)
     print(f"upcycled {a.model} into {a.output}: pattern {args.pattern} ({args.mixer})")
     match = matching_flavor(args)
+    start = f"--checkpoint.initial_load_path {a.output}"
     if match:
-        print(f"train it with: --model.flavor {match[0]} {' '.join(match[1])}")
+        print(f"train it with: --model.flavor {' '.join([match[0], *match[1]])} {start}")
     else:
-        print("no named flavor has these sizes: give the recipe's [model] keys as in "
-              f"{os.path.join(a.output, 'model_args.json')}")
+        print(f"train it with: --model.flavor checkpoint {start} (no named flavor has these sizes: the run reads "
+              "them from the checkpoint)")
 
 
 if __name__ == "__main__":

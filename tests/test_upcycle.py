@@ -231,3 +231,36 @@ def test_students_assembled_and_layers_selected(tmp_path, capsys):
     chosen = sorted(ranked[:2])
     assert f"chosen: --attention-layers {chosen[0]},{chosen[1]}" in out
     assert "".join("*-" if i in chosen else "M-" for i in range(4)) in out
+
+
+def test_a_student_of_no_flavor_trains_from_its_checkpoint_with_flavor_checkpoint(tmp_path, capsys):
+    """An upcycled student of sizes no flavor has (an MLP of width 320): upcycle's last line
+    names model.flavor checkpoint; the trainer reads the model from checkpoint.initial_load_path and trains on; a
+    recipe whose own [model] keys disagree with the checkpoint, or that names no checkpoint, is one line."""
+    from helpers import QUICK, RECIPE, run_train
+    from hybridtitan.checkpoint import load_model_args
+    from hybridtitan.config_manager import model_args, parse_config
+    from hybridtitan.errors import ConfigError
+    from hybridtitan.upcycle import main
+
+    make_llama(tmp_path / "llama", intermediate_size=320)  # an MLP width no flavor has
+    step = tmp_path / "up" / "step-0"
+    main(["--model", str(tmp_path / "llama"), "--mixer", "gdn", "--attention-layers", "0,2", "--output", str(step)])
+    out = capsys.readouterr().out
+    assert f"train it with: --model.flavor checkpoint --checkpoint.initial_load_path {step}" in out
+    saved = load_model_args(str(step))
+    argv = ["--job.config_file", RECIPE, "--model.flavor", "checkpoint", "--checkpoint.initial_load_path", str(step)]
+    assert model_args(parse_config(argv)) == saved
+    assert model_args(parse_config([*argv, "--model.dim", str(saved.dim), "--model.pattern", saved.pattern])) == saved
+    with pytest.raises(ConfigError, match=rf"model.dim = {saved.dim * 2}, but DCP checkpoint .* holds a model with "
+                                          rf"{saved.dim}: leave it out"):
+        model_args(parse_config([*argv, "--model.dim", str(saved.dim * 2)]))
+    with pytest.raises(ConfigError, match="model.gdn.num_heads = 7, but"):
+        model_args(parse_config([*argv, "--model.gdn.num_heads", "7"]))
+    with pytest.raises(ConfigError, match="give checkpoint.initial_load_path"):
+        model_args(parse_config(["--job.config_file", RECIPE, "--model.flavor", "checkpoint"]))
+
+    dump = tmp_path / "run"
+    run_train(dump, *QUICK, "--model.flavor", "checkpoint", "--checkpoint.initial_load_path", str(step),
+              "--training.steps", "2", "--checkpoint.interval", "2", nproc=1)
+    assert load_model_args(str(dump / "checkpoint" / "step-2")) == saved
