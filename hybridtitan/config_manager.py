@@ -12,7 +12,6 @@ rather than silently ignored.
 import dataclasses
 import difflib
 import importlib.util
-import math
 import os
 import sys
 import types
@@ -336,25 +335,12 @@ def _typed(key: str, text: str, tp: Any) -> Any:
 # ----------------------------------------------------------------------------------------------- validation
 
 
-def validate(cfg, check_data: bool = True) -> None:
-    """Checks that need more than types: positive sizes, values in range, the model arguments, the data."""
-    t = cfg.training
-    for name in ("steps", "seq_len", "local_batch_size", "loss_chunk_size"):
-        if getattr(t, name) <= 0:
-            raise ConfigError(f"training.{name} must be positive, got {getattr(t, name)}")
-    if t.global_batch_size != -1 and t.global_batch_size <= 0:
-        raise ConfigError(f"training.global_batch_size must be positive (or -1: local x data-parallel), "
-                          f"got {t.global_batch_size}")
-    if not t.kernel_configs.strip():
-        raise ConfigError("training.kernel_configs must be shipped, autotune or a folder's path, got ''")
-    if cfg.metrics.log_freq <= 0:
-        raise ConfigError(f"metrics.log_freq must be positive, got {cfg.metrics.log_freq}")
+def validate(cfg: JobConfig, check_data: bool = True) -> None:
+    """Checks that need more than types: each key's range (its field's rule, check_ranges), then the rules that
+    tie several keys, the model arguments and the data."""
+    check_ranges(cfg)
     if cfg.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("metrics.enable_wandb needs the wandb package: pip install wandb")
-    if cfg.checkpoint.interval <= 0:
-        raise ConfigError(f"checkpoint.interval must be positive, got {cfg.checkpoint.interval}")
-    if cfg.checkpoint.keep_latest_k < 0:
-        raise ConfigError(f"checkpoint.keep_latest_k must be 0 (keep all) or more, got {cfg.checkpoint.keep_latest_k}")
     _check_numbers(cfg)
     unknown = set(cfg.checkpoint.exclude_from_loading) - {"optimizer", "lr_scheduler", "dataloader", "train_state"}
     if unknown:
@@ -364,37 +350,15 @@ def validate(cfg, check_data: bool = True) -> None:
     if unknown:
         raise ConfigError(f"model.converters: unknown converter(s) {', '.join(sorted(unknown))}; hybridtitan has "
                           "quantize.linear.float8 (float8 training of the linear layers)")
-    if cfg.parallelism.context_parallel_degree < 1:
-        raise ConfigError("parallelism.context_parallel_degree must be 1 or more, got "
-                          f"{cfg.parallelism.context_parallel_degree}")
     context_parallel_layout(cfg)
     option = cfg.activation_checkpoint.selective_ac_option
     if cfg.activation_checkpoint.mode == "selective" and not (option.isdigit() and int(option) >= 1):
         raise ConfigError("activation_checkpoint.selective_ac_option must be an integer N >= 1 (checkpoint every "
                           f"N-th sublayer), got {option!r}")
     v = cfg.validation
-    for key, value, ok, wanted in (
-            ("validation.freq", v.freq, v.freq >= 1, "1 or more"),
-            ("validation.steps", v.steps, v.steps == -1 or v.steps >= 1, "1 or more (or -1: one pass)"),
-            ("validation.local_batch_size", v.local_batch_size, v.local_batch_size is None or v.local_batch_size >= 1,
-             "1 or more (or unset)"),
-            ("validation.seq_len", v.seq_len, v.seq_len is None or v.seq_len >= 1, "1 or more (or unset)"),
-            ("eval.every_checkpoints", cfg.eval.every_checkpoints, cfg.eval.every_checkpoints >= 1, "1 or more"),
-            ("eval.batch_size", cfg.eval.batch_size, cfg.eval.batch_size >= 1, "1 or more"),
-            ("eval.limit", cfg.eval.limit, cfg.eval.limit is None or cfg.eval.limit > 0, "positive (or unset)"),
-            ("distill.temperature", cfg.distill.temperature, cfg.distill.temperature > 0, "positive"),
-            ("distill.chunk_size", cfg.distill.chunk_size, cfg.distill.chunk_size >= 1, "1 or more")):
-        if not ok:
-            raise ConfigError(f"{key} must be {wanted}, got {value}")
     d = cfg.distill
-    weights = {"kl_weight": d.kl_weight, "ce_weight": d.ce_weight, "layer_weight": d.layer_weight}
-    for name, value in weights.items():
-        if not (math.isfinite(value) and value >= 0):
-            raise ConfigError(f"distill.{name} must be 0 or more, got {value}")
-    if d.teacher and not any(weights.values()):
+    if d.teacher and not any((d.kl_weight, d.ce_weight, d.layer_weight)):
         raise ConfigError("distill: kl_weight, ce_weight and layer_weight are all 0: nothing would be learned")
-    if cfg.model.name != "hybrid":
-        raise ConfigError(f"model.name must be 'hybrid', got {cfg.model.name!r}")
     try:
         if check_data:
             validate_data_config(cfg.data)
@@ -418,28 +382,23 @@ def validate(cfg, check_data: bool = True) -> None:
         raise ConfigError(str(e)) from None
 
 
-def _check_numbers(cfg) -> None:
-    """Values that the optimizer, the schedule or the loop would take and then train wrongly with (a negative
-    clipping norm ascends the gradient), or fail on only after the run's folders exist."""
-    o, s, t = cfg.optimizer, cfg.lr_scheduler, cfg.training
-    checks = [
-        ("optimizer.lr", o.lr, math.isfinite(o.lr) and o.lr > 0, "a positive number"),
-        ("optimizer.eps", o.eps, math.isfinite(o.eps) and o.eps > 0, "a positive number"),
-        ("optimizer.beta1", o.beta1, 0 <= o.beta1 < 1, "in [0, 1)"),
-        ("optimizer.beta2", o.beta2, 0 <= o.beta2 < 1, "in [0, 1)"),
-        ("optimizer.weight_decay", o.weight_decay, math.isfinite(o.weight_decay) and o.weight_decay >= 0,
-         "0 or more"),
-        ("training.max_norm", t.max_norm, math.isfinite(t.max_norm) and t.max_norm > 0, "a positive number"),
-        ("training.gc_freq", t.gc_freq, t.gc_freq >= 1, "1 or more"),
-        ("lr_scheduler.warmup_steps", s.warmup_steps, s.warmup_steps >= 0, "0 or more"),
-        ("lr_scheduler.min_lr_factor", s.min_lr_factor, 0 <= s.min_lr_factor <= 1, "in [0, 1]"),
-        ("lr_scheduler.decay_ratio", s.decay_ratio, s.decay_ratio is None or 0 <= s.decay_ratio <= 1,
-         "in [0, 1] (or unset)"),
-        ("lr_scheduler.total_steps", s.total_steps, s.total_steps is None or s.total_steps >= 1,
-         "1 or more (or unset)"),
-        ("debug.seed", cfg.debug.seed, cfg.debug.seed is None or 0 <= cfg.debug.seed < 2**32,
-         "in [0, 2**32) (or unset)"),
-    ]
+def check_ranges(cfg: JobConfig) -> None:
+    """Every key whose field in job_config carries a range rule (``ruled``): ConfigError, one line, for the first
+    value outside it, in the schema's order."""
+    for section in fields(cfg):
+        value = getattr(cfg, section.name)
+        if not is_dataclass(value):
+            continue
+        for f in fields(value):
+            rule, got = f.metadata.get("rule"), getattr(value, f.name)
+            if rule and not rule[1](got):
+                raise ConfigError(f"{section.name}.{f.name} must be {rule[0]}, got "
+                                  f"{repr(got) if isinstance(got, str) else got}")
+
+
+def _check_numbers(cfg: JobConfig) -> None:
+    """The profiler's counts, checked where profiling is on (a recipe may leave them at anything otherwise)."""
+    checks = []
     if cfg.profiling.enable_profiling:
         p = cfg.profiling
         checks += [("profiling.profiler_active", p.profiler_active, p.profiler_active >= 1, "1 or more"),
@@ -538,7 +497,7 @@ def _refuse_default_sizes(m, base: ModelArgs, args: ModelArgs) -> None:
                               f"give them (e.g. --model.{section}.num_heads), or start from a flavor with {what}")
 
 
-def held_out_data(cfg) -> Data:
+def held_out_data(cfg: JobConfig) -> Data:
     """The validation set's [data], with the training data's tokenizer."""
     return dataclasses.replace(cfg.validation.data, tokenizer=cfg.data.tokenizer)
 
@@ -547,7 +506,7 @@ def held_out_data(cfg) -> Data:
 LOAD_BALANCER_LAYOUTS = {"headtail": "zigzag", None: "contiguous", "none": "contiguous"}
 
 
-def context_parallel_layout(cfg) -> str:
+def context_parallel_layout(cfg: JobConfig) -> str:
     """The layout of a context-parallel sequence: parallelism.context_parallel_load_balancer "headtail" -> "zigzag"
     (rank r holds chunks r and 2W - 1 - r), None (TOML: "none") -> "contiguous"; ConfigError for any other."""
     balancer = cfg.parallelism.context_parallel_load_balancer
@@ -558,18 +517,18 @@ def context_parallel_layout(cfg) -> str:
     return LOAD_BALANCER_LAYOUTS[key]
 
 
-def selective_ac_interval(cfg) -> int:
+def selective_ac_interval(cfg: JobConfig) -> int:
     """Selective activation checkpointing wraps every N-th sublayer; 1 for the other modes."""
     if cfg.activation_checkpoint.mode != "selective":
         return 1
     return int(cfg.activation_checkpoint.selective_ac_option)
 
 
-def compiles(cfg, component: str) -> bool:
+def compiles(cfg: JobConfig, component: str) -> bool:
     """Whether torch.compile covers ``component`` ("model": each sublayer, "loss": the cross-entropy chunks,
     "norm": the RMSNorms with their residual adds, "swiglu": the MLPs' elementwise passes)."""
     return cfg.compile.enable and component in cfg.compile.components
 
 
-def to_dict(cfg) -> dict:
+def to_dict(cfg: JobConfig) -> dict:
     return dataclasses.asdict(cfg)

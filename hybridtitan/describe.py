@@ -25,6 +25,7 @@ from hybridtitan.config_manager import (
 )
 from hybridtitan.float8 import CONVERTER as FLOAT8
 from hybridtitan.float8 import float8_settings, plan_float8
+from hybridtitan.job_config import JobConfig
 from hybridtitan.models import FLAVORS, build_model
 from hybridtitan.models.flops import (
     flops_per_token,
@@ -63,7 +64,7 @@ def activation_elements_per_token(args, kind: str) -> int:
     return 2 * d + (2 * inner + conv) + conv + 3 * inner
 
 
-def teacher_estimate(cfg, args, tokens: int, param_bytes: int) -> dict:
+def teacher_estimate(cfg: JobConfig, args, tokens: int, param_bytes: int) -> dict:
     """What a distillation teacher ([distill]) adds to a device's memory, and the step's FLOPs with it: its 16-bit
     parameters sharded (each module frees what it gathered after its forward), the copy of its output weight and
     its final hidden states the KL reads, one MLP's activations of its forward at a time, its residual stream at
@@ -112,7 +113,7 @@ def cp_note(seq_len: int, cp: int) -> str:
             "from the others not counted")
 
 
-def describe(cfg) -> dict:
+def describe(cfg: JobConfig) -> dict:
     args = model_args(cfg)
     t = cfg.training
     counts = param_counts(args)
@@ -201,7 +202,7 @@ def _print_table(d: dict) -> None:
               f"reads its shard alone; the whole teacher is {m['teacher_whole']:.2f} GiB)")
 
 
-def batch_plan(cfg, world_size: int) -> dict:
+def batch_plan(cfg: JobConfig, world_size: int) -> dict:
     """The batch arithmetic of a recipe on ``world_size`` ranks: the data-parallel layout, whether the global batch
     divides into local batches of every rank (and micro-batches), and, where it does not, the largest local batch
     up to the recipe's that does, with its gradient accumulation. {"problem": ...} for a layout that cannot be."""
@@ -232,7 +233,7 @@ def batch_plan(cfg, world_size: int) -> dict:
     return out
 
 
-def plan_lines(cfg, plan: dict, nodes: int | None, data_problem: str | None) -> tuple[list[str], bool]:
+def plan_lines(cfg: JobConfig, plan: dict, nodes: int | None, data_problem: str | None) -> tuple[list[str], bool]:
     """What describe --world-size says of a plan, and whether it holds."""
     where = f"{plan['world_size']} GPUs" + (f" ({nodes} node{'s' if nodes > 1 else ''} x {plan['world_size'] // nodes})"
                                                 if nodes else "")
@@ -253,7 +254,7 @@ def plan_lines(cfg, plan: dict, nodes: int | None, data_problem: str | None) -> 
     return lines, plan["ok"] and not data_problem
 
 
-def data_problem(cfg) -> str | None:
+def data_problem(cfg: JobConfig) -> str | None:
     """The trainer's checks of the data before a run (files, manifests, tokenizer, held-out overlap), here: the
     problem in one line, or None."""
     from hybridtitan.config_manager import validate

@@ -33,6 +33,7 @@ from hybridtitan.config_manager import ConfigError
 from hybridtitan.data.loader import IGNORE_INDEX
 from hybridtitan.data.tokenizer import vocabulary_fingerprint
 from hybridtitan.errors import ConversionError
+from hybridtitan.job_config import JobConfig
 from hybridtitan.models import ModelArgs
 from hybridtitan.models.flops import flops_per_token
 from hybridtitan.models.model import StreamRecord
@@ -50,7 +51,7 @@ class Teacher:
     warning: str | None = None  # what the run's log should say of it
 
 
-def check_teacher(cfg, student: ModelArgs, tokenizer) -> Teacher | None:
+def check_teacher(cfg: JobConfig, student: ModelArgs, tokenizer) -> Teacher | None:
     """The [distill] teacher, checked against the student without reading its weights: a model folder that loads,
     the student's vocabulary size and tokenizer, and for layer distillation the same sublayer structure and width.
     ConfigError (one line) otherwise; None where the recipe names no teacher."""

@@ -27,9 +27,13 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hybridtitan.cli import OneLineParser, fail, one_line_errors
 from hybridtitan.errors import UserError
+
+if TYPE_CHECKING:  # (the schema imports torch: a command that only reads recipes stays light)
+    from hybridtitan.job_config import JobConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -902,7 +906,7 @@ COMPARED = ("training.local_batch_size", "training.global_batch_size", "training
             "lr_scheduler.decay_ratio", "lr_scheduler.total_steps", "data.tokenizer", "debug.seed")
 
 
-def compared_values(cfg) -> dict:
+def compared_values(cfg: JobConfig) -> dict:
     """What two recipes for one configuration are compared on: the model (the sizes of the sublayers it has) and
     COMPARED (the schedule's length as it runs: total_steps, else training.steps)."""
     from hybridtitan.config_manager import model_args
@@ -946,7 +950,7 @@ def shipped_recipe(experiment: str) -> Path | None:
     return None
 
 
-def compare_with_shipped(experiment: str, cfg) -> list[str]:
+def compare_with_shipped(experiment: str, cfg: JobConfig) -> list[str]:
     from hybridtitan.config_manager import parse_config
 
     recipe = shipped_recipe(experiment)

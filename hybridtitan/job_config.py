@@ -14,12 +14,27 @@ them.)
 """
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from hybridtitan.data.config import Data
 from hybridtitan.models import GDNArgs, GQAArgs, KDAArgs, Mamba2Args, MLAArgs
+
+
+def ruled(default, wanted: str, holds, **metadata):
+    """A key's default with the range its value must be in, kept beside the key: ``holds(value)`` is checked for
+    every recipe (config_manager.check_ranges), else "section.key must be WANTED, got VALUE"."""
+    return field(default=default, metadata={"rule": (wanted, holds), **metadata})
+
+
+def _positive(v):
+    return math.isfinite(v) and v > 0
+
+
+def _at_least(low, *, unset=False):
+    return lambda v: (unset and v is None) or (v is not None and v >= low)
 
 
 def _overrides_of(cls, doc: str):
@@ -80,7 +95,7 @@ class Profiling:
 
 @dataclass(frozen=True)
 class Metrics:
-    log_freq: int = 10
+    log_freq: int = ruled(10, "positive", _positive)
     """Log loss, grad norm, lr, tokens/s, MFU and memory every N steps (console, dump_folder/metrics.jsonl,
     TensorBoard)"""
 
@@ -96,7 +111,7 @@ class Metrics:
 
 @dataclass(frozen=True)
 class Model:
-    name: str = "hybrid"
+    name: str = ruled("hybrid", "'hybrid'", lambda v: v == "hybrid")
     """Model family (only 'hybrid')"""
 
     flavor: str = "debug_hybrid"
@@ -156,18 +171,18 @@ class Optimizer:
     name: Literal['AdamW', 'Adam'] = "AdamW"
     """Weight decay applies to weight matrices only"""
 
-    lr: float = 0.0008
+    lr: float = ruled(0.0008, "a positive number", _positive)
     """Learning rate to use"""
 
-    beta1: float = 0.9
+    beta1: float = ruled(0.9, "in [0, 1)", lambda v: 0 <= v < 1)
 
-    beta2: float = 0.95
+    beta2: float = ruled(0.95, "in [0, 1)", lambda v: 0 <= v < 1)
     """Exponential moving average hyperparameters to use"""
 
-    eps: float = 1e-08
+    eps: float = ruled(1e-08, "a positive number", _positive)
     """Epsilon value to use"""
 
-    weight_decay: float = 0.1
+    weight_decay: float = ruled(0.1, "0 or more", lambda v: math.isfinite(v) and v >= 0)
     """Weight decay to use"""
 
     implementation: Literal['for-loop', 'foreach', 'fused'] = "fused"
@@ -177,15 +192,15 @@ class Optimizer:
 
 @dataclass(frozen=True)
 class LRScheduler:
-    warmup_steps: int = 200
+    warmup_steps: int = ruled(200, "0 or more", _at_least(0))
     """Steps for lr scheduler warmup, normally 1/5 of --training.steps"""
 
-    total_steps: int | None = None
+    total_steps: int | None = ruled(None, "1 or more (or unset)", _at_least(1, unset=True))
     """Total steps for LR schedule calculation. If None, defaults to training.steps. This allows decoupling the LR
     schedule from the actual training steps, which is useful for debugging with fewer steps while maintaining the
     same LR curve, or for early stopping scenarios."""
 
-    decay_ratio: float | None = None
+    decay_ratio: float | None = ruled(None, "in [0, 1] (or unset)", lambda v: v is None or 0 <= v <= 1)
     """Controls the proportion of the training steps allocated to the learning rate decay phase. If `None`, the
     learning rate will begin decaying immediately after the warmup period. Otherwise, the learning rate will remain
     stable after the warmup period and only start decaying during the last `decay_ratio` portion of the total
@@ -198,26 +213,26 @@ class LRScheduler:
     - 'sqrt': decays learning rate following a 1 minus square root curve
     - 'cosine': smoothly decays learning rate following a cosine curve"""
 
-    min_lr_factor: float = 0.0
+    min_lr_factor: float = ruled(0.0, "in [0, 1]", lambda v: 0 <= v <= 1)
     """Min lr ratio for lr scheduler. If provided, the range of decay factor is scaled from 1 to `min_lr_factor` to
     ensure the learning rate does not drop below `optimizer.lr * lr_scheduler.min_lr_factor`."""
 
 
 @dataclass(frozen=True)
 class Training:
-    local_batch_size: int = 8
+    local_batch_size: int = ruled(8, "positive", _positive)
     """Local batch size (i.e., per-device batch size)"""
 
-    global_batch_size: int = -1
+    global_batch_size: int = ruled(-1, "positive (or -1: local x data-parallel)", lambda v: v == -1 or v > 0)
     """Global batch size (defaults to `training.local_batch_size * data-parallel degree`)"""
 
-    seq_len: int = 2048
+    seq_len: int = ruled(2048, "positive", _positive)
     """Sequence length"""
 
-    max_norm: float | int = 1.0
+    max_norm: float | int = ruled(1.0, "a positive number", _positive)
     """Max norm for gradient clipping"""
 
-    steps: int = 10000
+    steps: int = ruled(10000, "positive", _positive)
     """How many train steps to run"""
 
     mixed_precision_param: Literal['bfloat16', 'float32'] = "bfloat16"
@@ -227,13 +242,13 @@ class Training:
     mixed_precision_reduce: Literal['float32'] = "float32"
     """The dtype of FSDP2's gradient reductions"""
 
-    gc_freq: int = 50
+    gc_freq: int = ruled(50, "1 or more", _at_least(1))
     """Python garbage control scheduling interval, in steps"""
 
     expandable_segments: bool = True
     """GPU: the CUDA/HIP caching allocator uses expandable segments (less fragmentation); set by the trainer"""
 
-    loss_chunk_size: int = 4096
+    loss_chunk_size: int = ruled(4096, "positive", _positive)
     """Tokens per chunk of the fused linear cross-entropy (its extra memory is one chunk of logits)"""
 
     eod_mask_loss: bool = False
@@ -251,7 +266,8 @@ class Training:
     documents run eagerly). Much less host time per step for more memory (each layer keeps its own inputs, outputs
     and input gradients): for small micro-batches, where the host's kernel launches set the pace"""
 
-    kernel_configs: str = field(default="shipped", metadata={"type_text": "shipped, autotune or a folder"})
+    kernel_configs: str = ruled("shipped", "shipped, autotune or a folder's path", lambda v: bool(v.strip()),
+                                type_text="shipped, autotune or a folder")
     """GPU: where FLA's Triton kernels (and ours) take their tuned configurations from: shipped (the package's,
     hybridtitan/kernel_configs/<GPU>/, where they match this GPU and its Triton and FLA versions; otherwise FLA
     autotunes), autotune (FLA autotunes each kernel at each new shape, in every process), or the path of a folder
@@ -284,7 +300,7 @@ class Parallelism:
     - "always" will enable `reshard_after_forward` for all forward passes.
     - "never" will disable `reshard_after_forward` for all forward passes."""
 
-    context_parallel_degree: int = 1
+    context_parallel_degree: int = ruled(1, "1 or more", _at_least(1))
     """Context parallelism degree: each training sequence split over this many consecutive ranks, which hold the
     same batch (data parallel = ranks / degree; FSDP shards over all ranks). seq_len (and validation.seq_len) must
     divide by 2 x degree. 1 means disabled. docs/context-parallel.md says what runs where"""
@@ -304,7 +320,7 @@ class Checkpoint:
     """The folder to store the checkpoints. When enable is set to true, checkpoints will be in
     {--job.dump_folder}/{--checkpoint.folder}."""
 
-    interval: int = 500
+    interval: int = ruled(500, "positive", _positive)
     """Checkpointing interval in steps."""
 
     initial_load_path: str | None = None
@@ -326,7 +342,7 @@ class Checkpoint:
     async_mode: Literal['disabled', 'async'] = "disabled"
     """async: checkpoints are written in the background while training goes on"""
 
-    keep_latest_k: int = 10
+    keep_latest_k: int = ruled(10, "0 (keep all) or more", _at_least(0))
     """Keep only the newest K checkpoints (0: keep all)"""
 
     load_step: int = -1
@@ -387,16 +403,16 @@ class Validation:
     """Compute the loss on a held-out set every validation.freq steps and at the end (console, metrics.jsonl,
     TensorBoard, W&B); it changes nothing of the training"""
 
-    local_batch_size: int | None = None
+    local_batch_size: int | None = ruled(None, "1 or more (or unset)", _at_least(1, unset=True))
     """Sequences per rank in a validation batch (None: training.local_batch_size)"""
 
-    seq_len: int | None = None
+    seq_len: int | None = ruled(None, "1 or more (or unset)", _at_least(1, unset=True))
     """Tokens per validation sequence (None: training.seq_len)"""
 
-    freq: int = 500
+    freq: int = ruled(500, "1 or more", _at_least(1))
     """Steps between validations"""
 
-    steps: int = -1
+    steps: int = ruled(-1, "1 or more (or -1: one pass)", lambda v: v == -1 or v >= 1)
     """Batches per rank in each validation (the same batches every time); -1: one pass over the set"""
 
     data: Data = field(default_factory=_held_out)
@@ -405,7 +421,7 @@ class Validation:
 
 @dataclass(frozen=True)
 class Debug:
-    seed: int | None = None
+    seed: int | None = ruled(None, "in [0, 2**32) (or unset)", lambda v: v is None or 0 <= v < 2**32)
     """Base seed of the initial weights, the data order and the RNGs (None: 42)"""
 
     deterministic: bool = False
@@ -427,19 +443,19 @@ class Eval:
     """lm-eval tasks (names, or paths of local task YAMLs) evaluated on the live model during training, by all
     ranks, each on its share of the requests; results logged as eval/<task>/<metric>. Empty: none"""
 
-    every_checkpoints: int = 1
+    every_checkpoints: int = ruled(1, "1 or more", _at_least(1))
     """Evaluate after every N-th checkpoint saved, and at the end"""
 
     include_path: str = ""
     """A folder of extra task YAMLs (as lm-eval's --include_path)"""
 
-    limit: float | None = None
+    limit: float | None = ruled(None, "positive (or unset)", lambda v: v is None or v > 0)
     """Examples per task (a fraction if below 1; None: all)"""
 
     num_fewshot: int | None = None
     """Few-shot examples per request (None: the task's default)"""
 
-    batch_size: int = 8
+    batch_size: int = ruled(8, "1 or more", _at_least(1))
     """Requests per forward pass"""
 
 
@@ -449,21 +465,21 @@ class Distill:
     """The frozen teacher: a Hugging Face folder (a Llama, say) or a hybridtitan checkpoint (step, checkpoint or
     dump folder), of the student's vocabulary and tokenizer. Empty: no distillation, the cross-entropy alone"""
 
-    kl_weight: float = 1.0
+    kl_weight: float = ruled(1.0, "0 or more", lambda v: math.isfinite(v) and v >= 0)
     """Weight of the KL divergence of the student's next-token distributions from the teacher's (times T^2)"""
 
-    ce_weight: float = 0.0
+    ce_weight: float = ruled(0.0, "0 or more", lambda v: math.isfinite(v) and v >= 0)
     """Weight of the student's cross-entropy on the data"""
 
-    layer_weight: float = 0.0
+    layer_weight: float = ruled(0.0, "0 or more", lambda v: math.isfinite(v) and v >= 0)
     """Weight of layer distillation: per block (a token-mixing sublayer and the MLPs after it), fed the teacher's
     stream, the L2 distance of its output and of its mixing sublayer's output from the teacher's (Zebra-Llama's
     ILD); the teacher and student must have the same sublayer structure"""
 
-    temperature: float = 1.0
+    temperature: float = ruled(1.0, "positive", lambda v: v > 0)
     """Softmax temperature T of the KL"""
 
-    chunk_size: int = 4096
+    chunk_size: int = ruled(4096, "1 or more", _at_least(1))
     """Tokens per chunk of the KL: both models' 16-bit logits of a chunk are its extra memory on GPUs (about five
     float32 chunks more where it runs eagerly: CPUs, a temperature with the cross-entropy)"""
 

@@ -16,9 +16,13 @@ import copy
 import functools
 import logging
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
+
+if TYPE_CHECKING:
+    from hybridtitan.job_config import JobConfig
 
 logger = logging.getLogger("hybridtitan")
 
@@ -84,7 +88,7 @@ class LRSchedule:
             scheduler.load_state_dict(copy.deepcopy(state_dict))
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg) -> LRSchedule:
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: JobConfig) -> LRSchedule:
     return LRSchedule(optimizer, cfg.lr_scheduler, cfg.training.steps)
 
 

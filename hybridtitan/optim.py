@@ -9,14 +9,18 @@ and so decays it, where this and FLA do not.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+if TYPE_CHECKING:
+    from hybridtitan.job_config import JobConfig
 
-def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
+
+def build_optimizer(model: nn.Module, cfg: JobConfig) -> torch.optim.Optimizer:
     o = cfg.optimizer
     decay, no_decay = [], []
     for p in model.parameters():

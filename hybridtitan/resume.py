@@ -13,13 +13,14 @@ import math
 import os
 
 from hybridtitan.checkpoint import CheckpointManager
+from hybridtitan.job_config import JobConfig
 from hybridtitan.lr_schedule import apply_schedule
 from hybridtitan.preflight import NEW_SCHEDULE, StartPoint, changed_settings
 
 logger = logging.getLogger("hybridtitan")
 
 
-def resume(cfg, start: StartPoint | None, ckpt: CheckpointManager, state) -> None:
+def resume(cfg: JobConfig, start: StartPoint | None, ckpt: CheckpointManager, state) -> None:
     """Loads ``start`` (None: a fresh start) into the manager's live model, optimizer, schedule, loader and
     ``state``. Raises what DCP or the loader raise on a checkpoint that does not fit."""
     if start is None:
@@ -36,7 +37,7 @@ def resume(cfg, start: StartPoint | None, ckpt: CheckpointManager, state) -> Non
     warn_about_resumed_values(cfg, ckpt, state)
 
 
-def warn_about_the_kept_data_order(cfg, step_dir: str) -> None:
+def warn_about_the_kept_data_order(cfg: JobConfig, step_dir: str) -> None:
     """The resumed data loader goes on in the checkpoint's order: a changed data.shuffle or debug.seed would have
     no effect on it, which is said rather than left silent."""
     changed = [f"{key} {now} (checkpoint: {was})"
@@ -46,7 +47,7 @@ def warn_about_the_kept_data_order(cfg, step_dir: str) -> None:
                        "the data anew in the new order, add dataloader to checkpoint.exclude_from_loading")
 
 
-def warn_about_resumed_values(cfg, ckpt: CheckpointManager, state) -> None:
+def warn_about_resumed_values(cfg: JobConfig, ckpt: CheckpointManager, state) -> None:
     """What a resume takes from the checkpoint over the recipe, said where the two differ."""
     if state.step >= cfg.training.steps:
         logger.warning(f"the checkpoint is at step {state.step} and training.steps is {cfg.training.steps}: nothing "

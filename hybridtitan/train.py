@@ -45,6 +45,7 @@ from hybridtitan.data.loader import IGNORE_INDEX
 from hybridtitan.distill import Distiller, training_flops_per_token
 from hybridtitan.errors import DataError, ResumeError, first_error_line
 from hybridtitan.float8 import Float8Conversion, apply_float8, precompute_float8_scales
+from hybridtitan.job_config import JobConfig
 from hybridtitan.lr_schedule import LRSchedule
 from hybridtitan.metrics import MetricsLogger
 from hybridtitan.models import build_model
@@ -88,7 +89,7 @@ class StepResult:
     parts: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # distillation's terms, as loss
 
 
-def kernel_config(cfg, device: torch.device) -> ops.KernelConfig:
+def kernel_config(cfg: JobConfig, device: torch.device) -> ops.KernelConfig:
     """The recipe's kernel choices (compile.components, training.cuda_graphs) for this device."""
     return ops.KernelConfig(
         fused_residual=device.type == "cuda",  # the same sums; on CPUs there is no kernel to save
@@ -212,7 +213,7 @@ class StopRequest:
 class Trainer:
     """A training run: built from a checked config, then ``train()``."""
 
-    def __init__(self, cfg, plan: Plan):
+    def __init__(self, cfg: JobConfig, plan: Plan):
         self.cfg, self.plan, self.device = cfg, plan, plan.layout.device
         t = cfg.training
         if self.device.type == "cuda" and t.expandable_segments:
@@ -539,7 +540,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) ->
     return finite
 
 
-def profiler(cfg):
+def profiler(cfg: JobConfig):
     """torch.profiler over the steps profiling.* asks for (traces to dump_folder/save_traces_folder), or none."""
     p = cfg.profiling
     if not p.enable_profiling:

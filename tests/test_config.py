@@ -266,3 +266,24 @@ def test_upcycling_stages_read_disjoint_slices():
     for name in stage2:
         assert data[name].document_slice == [0.2, 1.0], name
     assert len({(d.path, d.source, d.document_slice_seed) for d in data.values()}) == 1
+
+
+def test_each_range_rule_lives_on_its_key_and_refuses_from_there():
+    """Every key job_config gives a range rule (``ruled``): its default passes the rule, and a value outside it
+    (-7 for a number, '' or 'x' for a string) is refused by parse_config in one line naming the rule's range."""
+    import dataclasses
+
+    from hybridtitan.config_manager import parse_config
+    from hybridtitan.errors import ConfigError
+    from hybridtitan.job_config import JobConfig
+
+    ruled = [(section.name, f) for section in dataclasses.fields(JobConfig) if dataclasses.is_dataclass(section.type)
+             for f in dataclasses.fields(section.type) if "rule" in f.metadata]
+    assert len(ruled) >= 35
+    for section, f in ruled:
+        wanted, holds = f.metadata["rule"]
+        assert holds(f.default), (section, f.name)
+        bad = "-7" if f.type is not str else ("x" if holds("") else "")
+        with pytest.raises(ConfigError) as refused:
+            parse_config(["--job.config_file", RECIPE, f"--{section}.{f.name}", bad])
+        assert str(refused.value).startswith(f"{section}.{f.name} must be {wanted}, got "), refused.value
