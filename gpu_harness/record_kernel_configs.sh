@@ -67,8 +67,8 @@ if [[ $parts == *upcycle* ]]; then
 fi
 if [[ $parts == *harness* ]]; then
   record=(--kernel-configs autotune --record-kernel-configs "$harness_folder")
-  step export_check python gpu_harness/export_check.py "${record[@]}"
-  step cp_check python gpu_harness/cp_check.py --timeout 360 "${record[@]}"
-  step gpu_check python gpu_harness/gpu_check.py "${record[@]}"
+  step export_check python gpu_harness/checks/export_check.py "${record[@]}"
+  step cp_check python gpu_harness/checks/cp_check.py --timeout 360 "${record[@]}"
+  step gpu_check python gpu_harness/checks/gpu_check.py "${record[@]}"
 fi
 echo "done in $((SECONDS - start)) s; the folder: ${FOLDER:-$harness_folder}" | tee -a "$OUT/summary.txt"

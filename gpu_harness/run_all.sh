@@ -22,7 +22,7 @@ python -c "import torch, triton, fla; print('torch', torch.__version__, 'triton'
 
 if [[ $parts == *bench* ]]; then
   budget=${BENCH_S:-300}
-  timeout "$budget" python gpu_harness/bench_throughput.py --time-budget $((budget - 60)) \
+  timeout "$budget" python gpu_harness/benchmarks/bench_throughput.py --time-budget $((budget - 60)) \
     --markdown "$OUT/benchmarks.md" \
     --json "$OUT/bench.json" --profile gdn_300M --profile-dir /tmp/profiles ${BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench.log" | grep -v "^ \|^-\|Warning\|warn" | tail -40
@@ -32,16 +32,16 @@ if [[ $parts == *check* ]]; then
   # two processes: a kernel fault leaves the CUDA context unusable, and the end-to-end cases (whole models, whose
   # kernels autotune at shapes of their own) are where one is likeliest; CUDA_LAUNCH_BLOCKING there names the
   # kernel that faults
-  timeout "${CHECK_S:-240}" python gpu_harness/gpu_check.py --only ops,graphs,fla --json "$OUT/gpu_check.json" 2>&1 \
+  timeout "${CHECK_S:-240}" python gpu_harness/checks/gpu_check.py --only ops,graphs,fla --json "$OUT/gpu_check.json" 2>&1 \
     | tee "$OUT/gpu_check.log" | grep -v "Warning\|warn" | tail -45
-  CUDA_LAUNCH_BLOCKING=1 timeout "${CHECK_S:-240}" python gpu_harness/gpu_check.py --only e2e --verbose \
+  CUDA_LAUNCH_BLOCKING=1 timeout "${CHECK_S:-240}" python gpu_harness/checks/gpu_check.py --only e2e --verbose \
     --json "$OUT/gpu_check_e2e.json" 2>&1 | tee "$OUT/gpu_check_e2e.log" | grep -v "Warning\|warn" | tail -30
 fi
 if [[ $parts == *record* ]]; then
   # RECORD_ARGS, e.g. "--flavors debug_kda,kda_300M,zebra_mamba2_300M" to record only some flavors; they are
   # merged into a copy of the repository's manifest, which comes back whole in $OUT
   cp tests/assets/triton_kernels.json "$OUT/triton_kernels.json"
-  timeout "${RECORD_S:-420}" python gpu_harness/record_triton_manifest.py --jobs 8 \
+  timeout "${RECORD_S:-420}" python gpu_harness/rocm/record_triton_manifest.py --jobs 8 \
     --timeout $((${RECORD_S:-420} - 30)) \
     --out "$OUT/triton_kernels.json" ${RECORD_ARGS:-} 2>&1 | tee "$OUT/record.log" | tail -25
 fi
@@ -88,7 +88,7 @@ if [[ $parts == *trainspeed* ]]; then
       cases+=("$flavor${settings:+:$settings}")
     done
   done
-  timeout "${SPEED_S:-900}" python gpu_harness/trainer_speed.py "${cases[@]}" --timeout 240 \
+  timeout "${SPEED_S:-900}" python gpu_harness/benchmarks/trainer_speed.py "${cases[@]}" --timeout 240 \
     --markdown "$OUT/trainspeed.md" --json "$OUT/trainspeed.json" ${SPEED_ARGS:-} 2>&1 | grep -v Warning \
     | tee "$OUT/trainspeed.log" | tail -20
 fi

@@ -24,18 +24,21 @@ def _run(args: list[str], timeout: int = 1200) -> subprocess.CompletedProcess:
     return run_processes(args, [env()], timeout=timeout)
 
 
-def _import(name: str):
-    """A harness module, imported as its scripts import each other (their folder on sys.path)."""
-    sys.path.insert(0, str(HARNESS))
+def _import(name: str, kind: str):
+    """A harness module of gpu_harness/KIND/, imported as its scripts import each other (their folder and
+    gpu_harness/, common.py's, on sys.path)."""
+    paths = [str(HARNESS / kind), str(HARNESS)]
+    sys.path[:0] = paths
     try:
         return __import__(name)
     finally:
-        sys.path.remove(str(HARNESS))
+        for path in paths:
+            sys.path.remove(path)
 
 
 def test_gpu_check_dry_run(tmp_path):
     out = tmp_path / "gpu_check.json"
-    proc = _run(["gpu_harness/gpu_check.py", "--device", "cpu", "--tiny", "--json", str(out)])
+    proc = _run(["gpu_harness/checks/gpu_check.py", "--device", "cpu", "--tiny", "--json", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     by_status = {r["status"] for r in results}
@@ -56,7 +59,8 @@ def test_export_check_dry_run(tmp_path):
     """The exports' GPU check on a CPU (both sides the PyTorch forms): an export made, loaded through transformers,
     its logits, greedy decoding of a left-padded batch and bfloat16 checked."""
     out = tmp_path / "export_check.json"
-    proc = _run(["gpu_harness/export_check.py", "--device", "cpu", "--flavors", "debug_hybrid", "--json", str(out)])
+    proc = _run(["gpu_harness/checks/export_check.py", "--device", "cpu", "--flavors", "debug_hybrid", "--json",
+                 str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     assert [(r["case"], r["ok"]) for r in results] == [("logits", True), ("greedy", True), ("bf16", True)]
@@ -66,7 +70,7 @@ def test_cp_check_dry_run(tmp_path):
     """Context parallelism's GPU check on a CPU: two gloo ranks, every op and case within the bar, the report
     naming each op's output and gradients."""
     out = tmp_path / "cp_check.json"
-    proc = _run(["gpu_harness/cp_check.py", "--device", "cpu", "--seq-len", "64", "--json", str(out)])
+    proc = _run(["gpu_harness/checks/cp_check.py", "--device", "cpu", "--seq-len", "64", "--json", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     cases = result["cases"]
@@ -78,7 +82,7 @@ def test_cp_check_dry_run(tmp_path):
 
 def test_bench_dry_run_variants(tmp_path):
     out = tmp_path / "bench.json"
-    proc = _run(["gpu_harness/bench_throughput.py", "--device", "cpu", "--tiny", "--models", "gdn_300M",
+    proc = _run(["gpu_harness/benchmarks/bench_throughput.py", "--device", "cpu", "--tiny", "--models", "gdn_300M",
                  "--impls", "hybridtitan,hybridtitan-unfused-residual,hybridtitan-fla-norm,hybridtitan-compiled-loss",
                  "--extra", "gdn_300M:hybridtitan-eager", "--loss-chunk", "100",
                  "--json", str(out),
@@ -113,19 +117,19 @@ def test_bench_dry_run_variants(tmp_path):
 
 
 def test_bench_refuses_unknown_variant():
-    proc = _run(["gpu_harness/bench_throughput.py", "--device", "cpu", "--tiny", "--extra",
+    proc = _run(["gpu_harness/benchmarks/bench_throughput.py", "--device", "cpu", "--tiny", "--extra",
                  "gdn_300M:hybridtitan-fast"])
     assert proc.returncode == 2
     assert "unknown" in proc.stderr and "hybridtitan-fast" in proc.stderr
-    proc = _run(["gpu_harness/bench_throughput.py", "--device", "cpu", "--tiny", "--loss-chunk", "0"])
+    proc = _run(["gpu_harness/benchmarks/bench_throughput.py", "--device", "cpu", "--tiny", "--loss-chunk", "0"])
     assert proc.returncode == 2 and "--loss-chunk must be at least 1, got 0" in proc.stderr
 
 
 def test_manifest_recorder_merges_into_the_existing_manifest(tmp_path):
     """A run that records some flavors adds them to --out instead of overwriting it: earlier records, the list
     of recordings and other fields stay; a record seen again replaces its old copy."""
-    merge = _import("record_triton_manifest").merge
-    recorder = _import("triton_recorder")
+    merge = _import("record_triton_manifest", "rocm").merge
+    recorder = _import("triton_recorder", "rocm")
     load_manifest, save_manifest = recorder.load_manifest, recorder.save_manifest
 
     def record(i, **extra):
@@ -147,7 +151,7 @@ def test_manifest_recorder_merges_into_the_existing_manifest(tmp_path):
 def test_gpu_timeline_from_a_trace(tmp_path):
     """The profile's GPU timeline: busy time is the union of overlapping kernels, gaps are idle, and a gap whose
     next kernel was launched just before it began counts as waiting for the CPU."""
-    gpu_timeline = _import("bench_throughput").gpu_timeline
+    gpu_timeline = _import("bench_throughput", "benchmarks").gpu_timeline
 
     def kernel(name, ts, dur, corr):
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
@@ -174,11 +178,12 @@ def test_gpu_timeline_from_a_trace(tmp_path):
 
 def test_trainer_speed_cases():
     """A case is FLAVOR[:key=value,...], and a comma starts a new pair only where a key= follows it."""
-    case = _import("trainer_speed").parse_case("gdn_300M:compile.components=norm,swiglu,training.seq_len=8192")
+    parse_case = _import("trainer_speed", "benchmarks").parse_case
+    case = parse_case("gdn_300M:compile.components=norm,swiglu,training.seq_len=8192")
     assert case.flavor == "gdn_300M"
     assert case.overrides == {"compile.components": "norm,swiglu", "training.seq_len": "8192"}
     with pytest.raises(ValueError, match="not key=value"):
-        _import("trainer_speed").parse_case("gdn_300M:training.seq_len")
+        _import("trainer_speed", "benchmarks").parse_case("gdn_300M:training.seq_len")
 
 
 def test_trainer_speed_dry_run(tmp_path):
@@ -187,7 +192,8 @@ def test_trainer_speed_dry_run(tmp_path):
     two trees side by side; with --fit a run that runs out of memory (simulated above a batch of 1) is retried at
     half the local batch, on each tree."""
     out, md = tmp_path / "speed.json", tmp_path / "speed.md"
-    proc = _run(["gpu_harness/trainer_speed.py", "debug_hybrid", "--device", "cpu", "--steps", "3", "--warmup", "1",
+    proc = _run(["gpu_harness/benchmarks/trainer_speed.py", "debug_hybrid", "--device", "cpu", "--steps", "3",
+                 "--warmup", "1",
                  "--tree", str(REPO), "--fit", "--simulate-oom-above", "1", "--workdir", str(tmp_path / "runs"),
                  "--json", str(out), "--markdown", str(md)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -2,7 +2,7 @@
 recorded from the autotuner's real choices, read back through FLA's own cache so that no kernel autotunes where the
 folder holds its shape, and refused in one line (exit 2, nothing written) when malformed or another machine's.
 
-On CPUs Triton's launches run as a dry run (gpu_harness/triton_recorder.py: the binder, the heuristics and the
+On CPUs Triton's launches run as a dry run (gpu_harness/rocm/triton_recorder.py: the binder, the heuristics and the
 autotuner run on CPU tensors for an sm_90 target, nothing is compiled or launched), which is enough to see which
 configurations a kernel would compile."""
 
@@ -54,7 +54,7 @@ def run_python(script: str, tmp_path: Path) -> subprocess.CompletedProcess:
     module and the GPU harness on its path."""
     (tmp_path / "doubled.py").write_text(KERNEL_MODULE)
     environ = env()
-    environ["PYTHONPATH"] = f"{tmp_path}:{ROOT / 'gpu_harness'}:{environ['PYTHONPATH']}"
+    environ["PYTHONPATH"] = f"{tmp_path}:{ROOT / 'gpu_harness' / 'rocm'}:{environ['PYTHONPATH']}"
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, env=environ,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

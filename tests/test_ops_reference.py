@@ -219,7 +219,8 @@ def test_gated_delta_rule_op_vs_fla_naive(cu_seqlens, with_h0, decay):
     o2, s2 = ops.gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cu_seqlens=cu, initial_state=h0)
     assert s2 is None and rel_err(o2, o_ref) < TOL
 
-    # CUDA graphs and the call site that keys them change nothing off the GPU (gpu_harness/gpu_check.py checks them)
+    # CUDA graphs and the call site that keys them change nothing off the GPU (gpu_harness/checks/gpu_check.py checks
+    # them)
     graphed = ops.Kernels(ops.KernelConfig(cuda_graphs=True))
     o3, _ = graphed.gated_delta_rule(q, k, v, a, b, A_log, dt_bias, cu_seqlens=cu, initial_state=h0,
                                      site=torch.nn.Module())

@@ -3,7 +3,7 @@ and MI355X (gfx950), with sm_90 as the control, on this CPU machine; and the rec
 captures what Triton compiles.
 
 The suite compiles a deterministic subset of the manifest (one record per kernel, spread over it: see
-``SUITE_RECORDS``); ``python gpu_harness/rocm_compile_check.py`` compiles all of it.
+``SUITE_RECORDS``); ``python gpu_harness/rocm/rocm_compile_check.py`` compiles all of it.
 """
 
 import importlib.util
@@ -21,7 +21,7 @@ from triton import knobs
 from triton.backends.compiler import GPUTarget
 
 REPO = Path(__file__).resolve().parents[1]
-HARNESS = REPO / "gpu_harness"
+HARNESS = REPO / "gpu_harness" / "rocm"
 sys.path.insert(0, str(HARNESS))  # the recorder, as the harness's scripts import it
 try:
     from triton_recorder import TARGETS, compile_args, load_manifest, record_triton_kernels, save_manifest
@@ -38,7 +38,7 @@ SUITE_RECORDS = 6
 # The check runs with --jobs 1: each worker process imports torch, Triton and FLA for its target (~4 s), which is
 # most of its CPU time at the suite's few records; a second worker per target cost more than it saved beside the
 # suite's other tests (41 vs 26 s of CPU for the 6 records x 3 targets, 2026-12-03: `python
-# gpu_harness/rocm_compile_check.py --targets gfx942,gfx950,sm_90 --one-per-kernel --max-kernels 6 --jobs 2|1`).
+# gpu_harness/rocm/rocm_compile_check.py --targets gfx942,gfx950,sm_90 --one-per-kernel --max-kernels 6 --jobs 2|1`).
 
 
 def _check_module():

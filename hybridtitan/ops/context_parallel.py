@@ -256,7 +256,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if dist.get_backend(ctx.group) != "gloo":  # NCCL (RCCL) reduce-scatters; gloo cannot on every supported
-            out = torch.empty_like(grad[0])    # torch (on CPUs, or on a GPU: gpu_harness/cp_check.py)
+            out = torch.empty_like(grad[0])    # torch (on CPUs, or on a GPU: gpu_harness/checks/cp_check.py)
             dist.reduce_scatter(out, [g.contiguous() for g in grad.unbind(0)], group=ctx.group)
             return out, None
         summed = grad.contiguous().clone()  # all_reduce works in place; the incoming gradient may be shared

@@ -19,7 +19,7 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: a kernel may only read globals that are
 
-# The fastest of the settings tried on an H200 (gpu_harness/bench_throughput.py, the output layer alone);
+# The fastest of the settings tried on an H200 (gpu_harness/benchmarks/bench_throughput.py, the output layer alone);
 # `chunk_loss_and_grad` takes others.
 BLOCK = 8192
 NUM_WARPS = 16

@@ -21,7 +21,7 @@ recomputation replays the same inputs) keep to this.
 
 Only whole sequences in training are graphed (no cu_seqlens, no state in or out, gradients on); anything else,
 a call inside torch.compile, or a failed capture (the op then stays eager at that site) runs the op directly.
-CUDA and ROCm (HIP graphs) alike; not testable on a CPU: gpu_harness/gpu_check.py compares graphed against eager.
+CUDA and ROCm (HIP graphs) alike; not testable on a CPU: gpu_harness/checks/gpu_check.py compares graphed against eager.
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ def kda(q, k, v, a, b, A_log, dt_bias, *, cu_seqlens=None, initial_state=None, o
 
 # FLA 0.6.0's chunked simple-GLA backward is only trusted at head dims of at least 64: below it, on an H200, its
 # chunk_bwd_dqkwg faulted (an illegal memory access) or returned a wrong gate gradient (docs/findings.md); at 64
-# and 64 every parity check passes (gpu_harness/gpu_check.py).
+# and 64 every parity check passes (gpu_harness/checks/gpu_check.py).
 # Zero columns of q and k add nothing to q k^T, to the state's other rows or to any gradient; zero columns of v
 # give zero output columns and state columns, which are cut off. So when a backward pass will follow, smaller head
 # dims are padded to this (the forward pass alone was right at 16 and 32, so evaluation runs unpadded).

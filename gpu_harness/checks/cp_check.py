@@ -1,8 +1,8 @@
 """Context parallelism's ops on a GPU: hybridtitan.ops.context_parallel running FLA's kernels (and ours) through
 ``Kernels``, two ranks sharing one GPU, against the same kernels on the whole sequence in one process.
 
-    python gpu_harness/cp_check.py --json $OUT/cp_check.json      # on the GPU machine
-    python gpu_harness/cp_check.py --device cpu                    # dry run: the PyTorch reference on CPUs
+    python gpu_harness/checks/cp_check.py --json $OUT/cp_check.json      # on the GPU machine
+    python gpu_harness/checks/cp_check.py --device cpu                    # dry run: the PyTorch reference on CPUs
 
 The two ranks talk over gloo, which gathers and reduces CUDA tensors through the host (NCCL refuses two ranks on
 one GPU): this checks the kernels' part of CP (packed segments with initial and final states, the delta rules'
@@ -31,9 +31,9 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)  # common.py, beside this script
+HARNESS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if HARNESS not in sys.path:
+    sys.path.insert(0, HARNESS)  # common.py, in gpu_harness/
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -1,10 +1,12 @@
 """The trainer's own speed: ``python -m hybridtitan.train`` on mock data, one process per case, read back from the
 metrics it logs.
 
-    python gpu_harness/trainer_speed.py gdn_300M kda_300M
-    python gpu_harness/trainer_speed.py zebra_llama_1B:training.seq_len=8192,training.local_batch_size=4 --fit
-    python gpu_harness/trainer_speed.py gdn_300M --tree ../before --repeat 3 --markdown $OUT/speed.md --json $OUT/s.json
-    python gpu_harness/trainer_speed.py debug_hybrid --device cpu --steps 3 --warmup 1   # dry run on a CPU
+    python gpu_harness/benchmarks/trainer_speed.py gdn_300M kda_300M
+    python gpu_harness/benchmarks/trainer_speed.py zebra_llama_1B:training.seq_len=8192,training.local_batch_size=4 \
+        --fit
+    python gpu_harness/benchmarks/trainer_speed.py gdn_300M --tree ../before --repeat 3 --markdown $OUT/speed.md \
+        --json $OUT/s.json
+    python gpu_harness/benchmarks/trainer_speed.py debug_hybrid --device cpu --steps 3 --warmup 1   # dry run on a CPU
 
 A case is FLAVOR[:key=value,...]: the recipe train_configs/FLAVOR.toml (or --recipe) with the trainer's keys
 overridden (``training.seq_len=8192``; a value may hold commas: ``compile.components=norm,swiglu``). Each run is
@@ -44,10 +46,10 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)  # common.py, beside this script
+HARNESS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(HARNESS)
+if HARNESS not in sys.path:
+    sys.path.insert(0, HARNESS)  # common.py, in gpu_harness/
 
 from common import format_table, write_json  # noqa: E402
 

@@ -8,7 +8,7 @@
 #          first loss, its loss at steps 50 and 100, the mean of its last 50 losses and that mean's difference
 #          from the first bf16 run's; bf16-again, the same bf16 run once more, is the spread between two runs
 #          (they are not bitwise reproducible)
-# Usage: OUT=results bash gpu_harness/float8_check.sh [speed] [loss]   (default: both), from the repository's root
+# Usage: OUT=results bash gpu_harness/checks/float8_check.sh [speed] [loss]   (default: both), from the repository's root
 # Time boxes (seconds): F8_SPEED_S (default 420), F8_LOSS_S (default 240 per run: the first run on a cold Triton
 # cache autotunes the packed shapes, 1:44 for its first step on the H200 on 2026-12-03).
 set -uo pipefail
@@ -24,7 +24,7 @@ if [[ $parts == *speed* ]]; then
   for flavor in ${F8_FLAVORS:-gdn_1B}; do
     cases+=("$flavor" "$flavor:$F8=tensorwise" "$flavor:$F8=rowwise")
   done
-  timeout "${F8_SPEED_S:-420}" python gpu_harness/trainer_speed.py "${cases[@]}" --timeout 300 \
+  timeout "${F8_SPEED_S:-420}" python gpu_harness/benchmarks/trainer_speed.py "${cases[@]}" --timeout 300 \
     --markdown "$OUT/float8_speed.md" --json "$OUT/float8_speed.json" 2>&1 | grep --line-buffered -v Warning \
     | tee "$OUT/float8_speed.log" | tail -20
 fi

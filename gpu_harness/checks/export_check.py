@@ -1,8 +1,8 @@
 """Each mixer's Hugging Face export on the GPU, through transformers and FLA's kernels, against the same export on
 the CPU (the PyTorch forms), and left-padded batches against each prompt alone.
 
-    python gpu_harness/export_check.py --json $OUT/export_check.json     # on the GPU machine, about a minute warm
-    python gpu_harness/export_check.py --device cpu                        # dry run: the same code, CPU on both sides
+    python gpu_harness/checks/export_check.py --json $OUT/export_check.json   # on the GPU machine, a minute warm
+    python gpu_harness/checks/export_check.py --device cpu                  # dry run: the same code, CPU on both sides
 
 For each of debug_gdn, debug_kda, debug_mamba2 and debug_hybrid (MLA + GDN): a model-only checkpoint of random
 weights drawn at init std 0.3 (peaked logits, so that greedy decoding has no near-ties), exported by the command
@@ -29,11 +29,11 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+HARNESS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(HARNESS)
 sys.path.insert(0, REPO)
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)  # common.py, beside this script
+if HARNESS not in sys.path:
+    sys.path.insert(0, HARNESS)  # common.py, in gpu_harness/
 
 FLAVORS = ["debug_gdn", "debug_kda", "debug_mamba2", "debug_hybrid"]
 

@@ -1,10 +1,10 @@
 """Compile every Triton kernel of a training step for AMD MI300X (gfx942) and MI355X (gfx950), on a CPU machine.
 
-    python gpu_harness/rocm_compile_check.py                         # the manifest, gfx942 + gfx950 + sm_90
-    python gpu_harness/rocm_compile_check.py --amd-configs --jobs 8  # also FLA's AMD autotune configs
-    python gpu_harness/rocm_compile_check.py --targets gfx942 --kernels 'kda' --json out.json
+    python gpu_harness/rocm/rocm_compile_check.py                         # the manifest, gfx942 + gfx950 + sm_90
+    python gpu_harness/rocm/rocm_compile_check.py --amd-configs --jobs 8  # also FLA's AMD autotune configs
+    python gpu_harness/rocm/rocm_compile_check.py --targets gfx942 --kernels 'kda' --json out.json
 
-Reads the kernel manifest (tests/assets/triton_kernels.json, written by gpu_harness/record_triton_manifest.py
+Reads the kernel manifest (tests/assets/triton_kernels.json, written by gpu_harness/rocm/record_triton_manifest.py
 through triton_recorder.py on a GPU), imports each kernel's ``@triton.jit`` function again and runs
 ``triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget(...))`` for every target:
 Triton compiles ahead of time for a GPU it does not run on. sm_90 is the control (the GPU the manifest was
@@ -33,8 +33,8 @@ import tempfile
 import time
 import traceback
 
-HARNESS = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HARNESS)
+HARNESS = os.path.dirname(os.path.abspath(__file__))  # gpu_harness/rocm/
+REPO = os.path.dirname(os.path.dirname(HARNESS))
 for _path in (REPO, HARNESS):  # run from a checkout: the kernels' modules and the recorder beside this script
     if _path not in sys.path:
         sys.path.insert(0, _path)

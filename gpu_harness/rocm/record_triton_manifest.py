@@ -1,7 +1,7 @@
 """Record the Triton kernels of real training steps on a GPU into the manifest the ROCm compile check reads.
 
-    python gpu_harness/record_triton_manifest.py                   # every debug and 300M flavor, packed and not
-    python gpu_harness/record_triton_manifest.py --flavors debug_gdn --boundaries false --out /tmp/k.json
+    python gpu_harness/rocm/record_triton_manifest.py                   # every debug and 300M flavor, packed and not
+    python gpu_harness/rocm/record_triton_manifest.py --flavors debug_gdn --boundaries false --out /tmp/k.json
 
 Each (flavor, packed documents or not) is one step of the trainer (``hybridtitan.train.main``: the shipped corpus
 and tokenizer, sequence 2048, batch 1, torch.compile off so that every Triton kernel is FLA's or ours and goes
@@ -22,8 +22,8 @@ import subprocess
 import sys
 import time
 
-HARNESS = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HARNESS)
+HARNESS = os.path.dirname(os.path.abspath(__file__))  # gpu_harness/rocm/
+REPO = os.path.dirname(os.path.dirname(HARNESS))
 for _path in (REPO, HARNESS):  # run from a checkout: the trainer, and the recorder beside this script
     if _path not in sys.path:
         sys.path.insert(0, _path)
@@ -74,7 +74,7 @@ def merge(out: str, workdir: str, done: dict, base: dict | None = None) -> tuple
     # the new records first: of two with one id, save_manifest keeps the first
     manifest = save_manifest(
         out, records + (base["kernels"] if base else []), device=parts[0]["device"], **kept,
-        source="recorded by gpu_harness/record_triton_manifest.py: one training step per flavor (sequence 2048, "
+        source="recorded by gpu_harness/rocm/record_triton_manifest.py: one training step per flavor (sequence 2048, "
                "batch 1, torch.compile off), each in a fresh process under record_triton_kernels()",
         recorded=sorted(set(recorded)), **({"failed": failed} if failed else {}),
         **({"skipped": skipped} if skipped else {}))

@@ -1,9 +1,9 @@
 """GPU parity: FLA's Triton path against the PyTorch reference kernels, op by op, end to end, replayed from CUDA
 graphs, and against FLA's own Hugging Face classes.
 
-    python gpu_harness/gpu_check.py                       # on the GPU: every check, about 1-3 minutes warm
-    python gpu_harness/gpu_check.py --only ops,fla --json $OUT/gpu_check.json
-    python gpu_harness/gpu_check.py --device cpu --tiny   # dry run on a CPU: the same code paths, small shapes
+    python gpu_harness/checks/gpu_check.py                       # on the GPU: every check, about 1-3 minutes warm
+    python gpu_harness/checks/gpu_check.py --only ops,fla --json $OUT/gpu_check.json
+    python gpu_harness/checks/gpu_check.py --device cpu --tiny   # dry run on a CPU: the same code paths, small shapes
 
 ops  every op of ``hybridtitan.ops.Kernels`` with bf16 inputs on the GPU, under the kernel configuration the
      case names (the default: FLA's and our Triton kernels; or with torch.compile of the norms, SwiGLU or the
@@ -50,9 +50,9 @@ import tempfile
 import time
 import traceback
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)  # common.py, beside this script
+HARNESS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if HARNESS not in sys.path:
+    sys.path.insert(0, HARNESS)  # common.py, in gpu_harness/
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

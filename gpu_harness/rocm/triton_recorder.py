@@ -10,7 +10,7 @@ A record names the ``@triton.jit`` function (module + qualified name, so it can 
 ``triton.compile`` needs to rebuild the same kernel: the signature (argument -> Triton type: ``*bf16``, ``i32``,
 ``fp32``, ``constexpr``), the constexpr values as launched (autotuned config kwargs and heuristics included), the
 ``attrs`` (divisibility-by-16 specialisations) and the options (num_warps, num_stages, num_ctas, maxnreg).
-``gpu_harness/rocm_compile_check.py`` compiles every record for gfx942, gfx950 and sm_90 on a CPU machine.
+``gpu_harness/rocm/rocm_compile_check.py`` compiles every record for gfx942, gfx950 and sm_90 on a CPU machine.
 
 How: Triton's official ``knobs.runtime.jit_post_compile_hook``. ``JITFunction.run`` calls it right after it
 compiled a kernel (an in-memory cache miss; a hit in Triton's on-disk cache still counts as a compile here), with

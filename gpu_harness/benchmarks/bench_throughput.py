@@ -1,9 +1,9 @@
 """Training throughput on one GPU: hybridtitan against FLA's Hugging Face models, wrapped the same way.
 
-    python gpu_harness/bench_throughput.py                 # gdn_300M, kda_300M (+ FLA twice), zebra_*_300M, gdn_1B
-    python gpu_harness/bench_throughput.py --models gdn_300M,kda_300M --markdown $OUT/benchmarks.md --json $OUT/b.json
-    python gpu_harness/bench_throughput.py --models gdn_300M --impls hybridtitan --profile gdn_300M
-    python gpu_harness/bench_throughput.py --device cpu --tiny   # dry run on a CPU: the whole flow, debug flavors
+    python gpu_harness/benchmarks/bench_throughput.py       # gdn_300M, kda_300M (+ FLA twice), zebra_*_300M, gdn_1B
+    python gpu_harness/benchmarks/bench_throughput.py --models gdn_300M,kda_300M --markdown $OUT/b.md --json $OUT/b.json
+    python gpu_harness/benchmarks/bench_throughput.py --models gdn_300M --impls hybridtitan --profile gdn_300M
+    python gpu_harness/benchmarks/bench_throughput.py --device cpu --tiny  # a CPU dry run: the whole flow, debug models
 
 One process, world size 1: a process group of one (NCCL; gloo on a CPU) and a 1-D mesh, so that FSDP2 works as
 in the trainer. Every implementation gets the same treatment: fully_shard per block then the root (ours built
@@ -16,7 +16,7 @@ FLA's: model(input_ids=ids, labels=ids) (FLA shifts the labels itself), so both 
 tokens. FLA runs twice: 'fla-ce' (fuse_cross_entropy: its fused CE over the full logits) and 'fla-flce'
 (fuse_linear_cross_entropy). Ours runs as the variants of OURS, each a kernel configuration
 (hybridtitan.ops.KernelConfig) and whether torch.compile takes every sublayer whole; two versions of the code
-are compared by running this script from each checkout (gpu_harness/trainer_speed.py --tree does it for the
+are compared by running this script from each checkout (gpu_harness/benchmarks/trainer_speed.py --tree does it for the
 trainer in one run).
 
 Measured: warm-up steps (the first includes Triton autotuning; peak-memory statistics are reset after it), then
@@ -44,9 +44,9 @@ import sys
 import time
 import traceback
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)  # common.py, beside this script
+HARNESS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if HARNESS not in sys.path:
+    sys.path.insert(0, HARNESS)  # common.py, in gpu_harness/
 
 import torch  # noqa: E402
 
