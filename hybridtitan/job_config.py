@@ -193,25 +193,18 @@ class Optimizer:
 @dataclass(frozen=True)
 class LRScheduler:
     warmup_steps: int = ruled(200, "0 or more", _at_least(0))
-    """Steps for lr scheduler warmup, normally 1/5 of --training.steps"""
+    """Steps of the linear warmup to optimizer.lr"""
 
     total_steps: int | None = ruled(None, "1 or more (or unset)", _at_least(1, unset=True))
-    """Total steps for LR schedule calculation. If None, defaults to training.steps. This allows decoupling the LR
-    schedule from the actual training steps, which is useful for debugging with fewer steps while maintaining the
-    same LR curve, or for early stopping scenarios."""
+    """The schedule's length in steps (unset: training.steps): a shorter run on the same curve"""
 
     decay_ratio: float | None = ruled(None, "in [0, 1] (or unset)", lambda v: v is None or 0 <= v <= 1)
-    """Controls the proportion of the training steps allocated to the learning rate decay phase. If `None`, the
-    learning rate will begin decaying immediately after the warmup period. Otherwise, the learning rate will remain
-    stable after the warmup period and only start decaying during the last `decay_ratio` portion of the total
-    training steps. This is known as the Warmup-Stable-Decay (WSD) schedule, as described in
-    https://arxiv.org/abs/2404.06395."""
+    """The share of the schedule's steps that decay the rate, at its end (warmup-stable-decay, arXiv 2404.06395);
+    unset: the decay starts at the end of the warmup"""
 
     decay_type: Literal['linear', 'sqrt', 'cosine'] = "linear"
-    """Learning rate decay type to use during training:
-    - 'linear': linearly decays learning rate from initial to final value
-    - 'sqrt': decays learning rate following a 1 minus square root curve
-    - 'cosine': smoothly decays learning rate following a cosine curve"""
+    """The decay's curve from the peak rate to optimizer.lr x min_lr_factor: linear, sqrt (1 - sqrt of the decay's
+    progress) or cosine"""
 
     min_lr_factor: float = ruled(0.0, "in [0, 1]", lambda v: 0 <= v <= 1)
     """Min lr ratio for lr scheduler. If provided, the range of decay factor is scaled from 1 to `min_lr_factor` to
@@ -277,28 +270,16 @@ class Training:
 @dataclass(frozen=True)
 class Parallelism:
     data_parallel_replicate_degree: int = 1
-    """The `data_parallel_replicate_degree` argument specifies the degree of data parallelism for weight replication.
-    When this value is greater than 1, weights will be replicated across `data_parallel_replicate_degree` ranks. If
-    `data_parallel_shard_degree` is also greater than 1, the parallelism method used is HSDP (Hybrid Sharded Data
-    Parallelism). Otherwise, the parallelism method used is DDP (Distributed Data Parallelism). 1 means disabled."""
+    """Groups of ranks that each hold a whole copy of the sharded state (HSDP with data_parallel_shard_degree > 1,
+    e.g. the nodes); 1: none"""
 
     data_parallel_shard_degree: int = -1
-    """The `data_parallel_shard_degree` argument specifies the degree of data parallelism for weight sharding. When
-    this value is greater than 1, weights will be sharded across `data_parallel_shard_degree` ranks. If
-    `data_parallel_replicate_degree` is also greater than 1, the parallelism method used is HSDP (Hybrid Sharded
-    Data Parallelism). Otherwise, the parallelism method used is FSDP (Fully Sharded Data Parallelism). -1 means
-    leftover ranks will be used (After DP_REPLICATE/SP/PP). Note that only `data_parallel_shard_degree` can be
-    negative. 1 means disabled."""
+    """Ranks that FSDP2 shards the parameters, gradients and optimizer state over; -1: all the ranks the other
+    degrees leave"""
 
     fsdp_reshard_after_forward: Literal['default', 'always', 'never'] = "default"
-    """`reshard_after_forward` specifies the policy for applying `reshard_after_forward` within an FSDP setup.
-    `reshard_after_forward` controls parameter behavior after forward, trading off memory and communication. See
-    torch's `fully_shard` API for more documentation on `reshard_after_forward`.
-
-    The supported policies include "default", "always" and "never":
-    - "default" applies default resharding behavior, implementing "smart defaults" for known optimal scenarios.
-    - "always" will enable `reshard_after_forward` for all forward passes.
-    - "never" will disable `reshard_after_forward` for all forward passes."""
+    """Whether a sublayer frees its gathered parameters after its forward (less memory, a second all-gather in the
+    backward): always, never, or default (every sublayer but the last, and nothing over a shard degree of 1)"""
 
     context_parallel_degree: int = ruled(1, "1 or more", _at_least(1))
     """Context parallelism degree: each training sequence split over this many consecutive ranks, which hold the
@@ -321,7 +302,7 @@ class Checkpoint:
     {--job.dump_folder}/{--checkpoint.folder}."""
 
     interval: int = ruled(500, "positive", _positive)
-    """Checkpointing interval in steps."""
+    """Steps between checkpoints"""
 
     initial_load_path: str | None = None
     """A step folder (e.g. OTHER_RUN/checkpoint/step-1000, or an import_hf output) or a checkpoint folder (its newest
@@ -329,11 +310,8 @@ class Checkpoint:
     and this is ignored (said in the log)"""
 
     initial_load_model_only: bool = True
-    """This option specifies if only the model should be loaded during the initial checkpoint load. The option is only
-    used when `initial_load_path` is specified. If False, the checkpoint at `initial_load_path` is treated as a
-    standard training checkpoint, including optimizer, lr scheduler, training states, etc. The default setting for
-    this option is True. Note that you will have to use `--checkpoint.no_initial_load_model_only` to override the
-    default setting."""
+    """From initial_load_path, the weights alone; false: its optimizer, schedule, data order and step too, as a
+    resume"""
 
     last_save_model_only: bool = False
     """Save only the model at the last step (smaller; the run cannot be extended from it). Off: the last checkpoint is
@@ -346,16 +324,13 @@ class Checkpoint:
     """Keep only the newest K checkpoints (0: keep all)"""
 
     load_step: int = -1
-    """Load the checkpoint at the specified step. If -1, load the latest checkpoint."""
+    """The step of the run's own checkpoint folder to resume from; -1: its latest complete one"""
 
     exclude_from_loading: list[str] = field(default_factory=lambda: [])
-    """Exclude specific keys from being loaded from the checkpoint. Provide a comma-separated list of keys to exclude,
-    e.g. 'optimizer,lr_scheduler,dataloader'. This will load the model only, excluding the specified keys."""
+    """Parts of a checkpoint not loaded (optimizer, lr_scheduler, dataloader, train_state): each starts afresh"""
 
     enable_first_step_checkpoint: bool = False
-    """Enable the checkpoint save at first step. This will save a checkpoint immediately after the first step to ensure
-    checkpointing functions correctly. This is useful when running on a new cluster or storage to verify
-    checkpointing without waiting for many steps or checkpointing too frequently. The default value is False."""
+    """A checkpoint after the first step too: saving checked at once on a new cluster or storage"""
 
     allow_tokenizer_change: bool = False
     """Start from a checkpoint trained with another tokenizer than data.tokenizer (refused otherwise: the same ids
