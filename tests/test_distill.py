@@ -168,6 +168,47 @@ def test_gradient_accumulation_with_a_teacher(teacher, tmp_path):
             assert big[key] == pytest.approx(acc[key], rel=1e-4), (step, key)
 
 
+def test_a_teacher_sharded_over_two_ranks_gives_the_whole_teachers_kl(teacher, tmp_path):
+    """2 ranks on the same data, the teacher (and student) sharded over both (FSDP: each rank reads its half of the
+    teacher, model_loader.load_into_shards) or whole on each (HSDP of 2 replicas of 1 shard): the same KL, layer
+    distance and loss at every step."""
+    base = [*QUICK, *STUDENT, "--distill.teacher", str(teacher), "--distill.layer_weight", "0.5",
+            "--training.steps", "2", "--checkpoint.initial_load_path", str(tmp_path / "up" / "checkpoint" / "step-0")]
+    upcycle(teacher, tmp_path / "up")
+    run_train(tmp_path / "sharded", *base)
+    run_train(tmp_path / "whole", *base, "--parallelism.data_parallel_replicate_degree", "2",
+              "--parallelism.data_parallel_shard_degree", "1")
+    for step in (1, 2):
+        sharded, whole = records(tmp_path / "sharded")[step], records(tmp_path / "whole")[step]
+        for key in ("loss", "distill/kl", "distill/layer"):
+            assert sharded[key] == pytest.approx(whole[key], rel=1e-4), (step, key)
+
+
+def test_upcycle_selects_by_the_kl_as_defined(tmp_path):
+    """upcycle select's measure (kl_to_teacher) against the KL written out from both models' full logits: the
+    mean over the counted tokens of sum_v p_teacher (log p_teacher - log p_student)."""
+    from hybridtitan.models import build_model, get_flavor
+    from hybridtitan.upcycle import kl_to_teacher
+
+    torch.manual_seed(0)
+    teacher_model = build_model(get_flavor("debug_llama"), "cpu").eval()
+    student = build_model(get_flavor("debug_llama_upcycled"), "cpu").eval()
+    for m in (teacher_model, student):
+        m.init_weights()
+    ids = torch.randint(0, 8192, (2, 64))
+    labels = torch.roll(ids, -1, dims=1)
+    labels[0, :5] = -100  # tokens not counted
+    batches = [{"input_ids": ids, "labels": labels}]
+    with torch.no_grad():
+        measured = kl_to_teacher(student, teacher_model, batches)
+        log_p = torch.log_softmax(teacher_model(ids).double(), -1)
+        log_q = torch.log_softmax(student(ids).double(), -1)
+    per_token = (log_p.exp() * (log_p - log_q)).sum(-1)
+    expected = per_token[labels != -100].mean().item()
+    assert measured == pytest.approx(expected, rel=1e-4)
+    assert expected > 0.01  # two unrelated models: a KL far from 0
+
+
 def test_a_teacher_that_does_not_fit_is_one_line(teacher, tmp_path, capsys):
     """Another vocabulary, another tokenizer, a missing folder, layer distillation across other structures: one
     line, exit code 2, before anything is written."""
