@@ -20,9 +20,10 @@ mixer; embeddings, norms and MLPs are copied. Each new sublayer starts from the 
 * Gated DeltaNet (HyLo): q <- W_Q, k <- W_K and v <- W_V repeated to every head, o_proj <- W_O (the overlapping
   blocks where the sizes differ); gates, beta, convolutions and the output norm fresh.
 
-The output says how much of each projection the ranks keep (the singular values discarded). --attention-from and
---mixers-from take those sublayers (with their MLPs) from students already trained by layer distillation instead
-(an all-MLA and an all-mixer student of the same shapes: Zebra-Llama's second stage).
+The output says, per MLA layer, how much of W_Q and of [W_K; W_V] the ranks keep (the singular values discarded) and
+the relative error of each projection as the MLA holds it: W_K's no-RoPE rows, W_V, and the shared RoPE key.
+--attention-from and --mixers-from take those sublayers (with their MLPs) from students already trained by layer
+distillation instead (an all-MLA and an all-mixer student of the same shapes: Zebra-Llama's second stage).
 
 ``select`` ranks the layers of an all-mixer student (after layer distillation) by how much swapping each one
 back to MLA lowers the KL divergence to the teacher on held-out data, and prints the chosen layers and pattern.
@@ -66,6 +67,21 @@ class Kept:
                 f"(relative error {self.relative_error:.4f})")
 
 
+@dataclasses.dataclass
+class Fit:
+    """How far a projection the MLA keeps is from the Llama's: ||approximation - original|| / ||original||."""
+
+    name: str
+    relative_error: float
+
+    def __str__(self) -> str:
+        return f"{self.name} relative error {self.relative_error:.4f}"
+
+
+def _relative_error(approximation: torch.Tensor, original: torch.Tensor) -> float:
+    return ((approximation - original).norm() / original.norm().clamp_min(1e-30)).item()
+
+
 def low_rank(matrix: torch.Tensor, rank: int, name: str) -> tuple[torch.Tensor, torch.Tensor, Kept]:
     """(up [m, rank], down [rank, n], what was kept) with up @ down the best rank-``rank`` approximation of
     ``matrix`` [m, n]: up = U_r, down = diag(S_r) V_r^T (float32)."""
@@ -101,8 +117,9 @@ def repeat_heads(w: torch.Tensor, heads: int, head_dim: int, groups: int) -> tor
     return w.view(heads, head_dim, -1).repeat_interleave(groups, dim=0).reshape(heads * groups * head_dim, -1)
 
 
-def mla_from_attention(attn: dict[str, torch.Tensor], gqa, mla) -> tuple[dict[str, torch.Tensor], list[Kept]]:
-    """MLA weights (our names) from one grouped-query attention's q_proj, k_proj, v_proj, o_proj weights."""
+def mla_from_attention(attn: dict[str, torch.Tensor], gqa, mla) -> tuple[dict[str, torch.Tensor], list[Kept | Fit]]:
+    """MLA weights (our names) from one grouped-query attention's q_proj, k_proj, v_proj, o_proj weights, and what
+    they keep of it."""
     H, KV, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
     if mla.num_heads != H or mla.v_head_dim != d:
         raise ConversionError(f"an MLA from attention keeps its {H} heads and value dims {d} (got num_heads "
@@ -126,6 +143,14 @@ def mla_from_attention(attn: dict[str, torch.Tensor], gqa, mla) -> tuple[dict[st
     out["kv_up_proj.weight"] = torch.cat([k_up, v_up], dim=1).reshape(H * (len(nope) + d), -1)
     shared_rope_key = wk.view(KV, d, -1)[:, rope].mean(0)
     out["kv_down_proj.weight"] = torch.cat([down, shared_rope_key])
+    # the SVD's energy counts every row of [W_K; W_V]; of W_K the MLA keeps the no-RoPE rows from it and replaces
+    # the RoPE rows by one key shared by all heads: the error of each, as kept
+    approx = up @ down
+    kept.append(Fit("W_K no-RoPE rows", _relative_error(approx[:H * d].view(H, d, -1)[:, nope],
+                                                        stacked[:H * d].view(H, d, -1)[:, nope])))
+    kept.append(Fit("W_V", _relative_error(approx[H * d:], stacked[H * d:])))
+    kept.append(Fit("shared RoPE key", _relative_error(shared_rope_key.expand(KV, -1, -1),
+                                                       wk.view(KV, d, -1)[:, rope])))
     out["o_proj.weight"] = attn["o_proj.weight"].float()
     return out, kept
 

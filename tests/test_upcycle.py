@@ -82,9 +82,13 @@ def test_mla_from_attention_factors_reproduce_the_projections():
     torch.testing.assert_close(q, wq, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(k_nope, wk[:, nope], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(v, wv, rtol=1e-4, atol=1e-4)
-    assert all(k.relative_error < 1e-3 for k in kept)
-    shared = attn["k_proj.weight"].view(gqa.num_kv_heads, d, -1)[:, rope].mean(0)
+    fits = {k.name: k.relative_error for k in kept}
+    assert all(fits[name] < 1e-3 for name in ("W_Q", "[W_K; W_V]", "W_K no-RoPE rows", "W_V"))
+    rope_rows_of_wk = attn["k_proj.weight"].view(gqa.num_kv_heads, d, -1)[:, rope]
+    shared = rope_rows_of_wk.mean(0)
     torch.testing.assert_close(out["kv_down_proj.weight"][llama.dim:], shared)
+    shared_err = torch.linalg.vector_norm(rope_rows_of_wk - shared) / torch.linalg.vector_norm(rope_rows_of_wk)
+    assert fits["shared RoPE key"] == pytest.approx(shared_err.item(), rel=1e-5) and 0.1 < shared_err < 1.5
     assert torch.equal(out["o_proj.weight"], attn["o_proj.weight"])
 
     out, kept = mla_from_attention(attn, gqa, mla)  # the flavor's ranks: 64 of 128 (q), 32 of 128 (kv)
@@ -96,6 +100,12 @@ def test_mla_from_attention_factors_reproduce_the_projections():
     assert k.relative_error == pytest.approx(kept[1].relative_error) and 0.1 < k.relative_error < 1
     torch.testing.assert_close(v, (up @ down)[H * d:], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(k_nope, (up @ down)[: H * d].view(H, d, -1)[:, nope], rtol=1e-4, atol=1e-4)
+    # the report's error of each projection as kept: the key's no-RoPE rows and the values
+    fits = {k.name: k.relative_error for k in kept}
+    k_err = torch.linalg.vector_norm(k_nope - wk[:, nope]) / torch.linalg.vector_norm(wk[:, nope])
+    v_err = torch.linalg.matrix_norm(v - wv) / torch.linalg.matrix_norm(wv)
+    assert fits["W_K no-RoPE rows"] == pytest.approx(k_err.item(), rel=1e-4) and 0.05 < k_err < 1
+    assert fits["W_V"] == pytest.approx(v_err.item(), rel=1e-4) and 0.05 < v_err < 1
 
 
 def test_mamba2_and_gdn_take_the_attention_projections():
