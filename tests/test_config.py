@@ -256,8 +256,9 @@ def test_upcycling_stages_read_disjoint_slices():
     from hybridtitan.config_manager import parse_config
 
     folder = ROOT / "train_configs" / "upcycle"
-    stage1 = ("zebra_llama_1B_ild_mamba2", "zebra_llama_1B_ild_mla", "hylo_1B_ild_gdn")
-    stage2 = ("zebra_llama_1B_kl", "hylo_1B_kl_8k", "hylo_1B_kl_64k")
+    stage1 = tuple(f"zebra_llama_{size}_ild_{kind}" for size in ("1B", "3B", "8B") for kind in ("mamba2", "mla")) + (
+        "hylo_1B_ild_gdn",)
+    stage2 = ("zebra_llama_1B_kl", "zebra_llama_3B_kl", "zebra_llama_8B_kl", "hylo_1B_kl_8k", "hylo_1B_kl_64k")
     assert {p.stem for p in folder.glob("*.toml")} == set(stage1 + stage2)
     data = {name: parse_config(["--job.config_file", str(folder / f"{name}.toml")], check_data=False).data
             for name in stage1 + stage2}

@@ -223,6 +223,15 @@ def test_students_assembled_and_layers_selected(tmp_path, capsys):
             j = int(key.split(".")[1])
             source = mla if args.pattern[j - j % 2] == "*" else gdn
             assert torch.equal(value, source[key]), key
+    # a long-context stage chained from this one (HyLo's 64K from its 8K): the hybrid is both students, taken
+    # whole, with another YaRN extension
+    main([*common, "--mixer", "gdn", "--attention-layers", "1,3", "--attention-from", str(tmp_path / "both"),
+          "--mixers-from", str(tmp_path / "both"), "--rope-scaling-factor", "32", "--original-max-position-embeddings",
+          "2048", "--output", str(tmp_path / "long")])
+    long_args, long, _ = read_model(str(tmp_path / "long"))
+    assert (long_args.mla.rope_scaling_factor, long_args.mla.original_max_position_embeddings) == (32.0, 2048)
+    assert dataclasses.replace(long_args, mla=args.mla) == args
+    assert set(long) == set(both) and all(torch.equal(long[k], both[k]) for k in both)
     with pytest.raises(SystemExit):  # a mixer student of another mixer holds other tensors
         main([*common, "--mixer", "mamba2", "--attention-layers", "1", "--mixers-from", str(tmp_path / "gdn"),
               "--output", str(tmp_path / "wrong")])
