@@ -8,7 +8,8 @@
 # cut, a harness step cut short records nothing. Logs and a summary in $OUT (default kernel_configs_logs).
 # Usage, from the repository's root on the GPU machine:
 #   OUT=$OUT bash gpu_harness/record_kernel_configs.sh [recipes|upcycle|harness ...]   (default: all three)
-# RECIPES="gdn_300M kda_1B" records those recipes of train_configs/ alone, in that order (default: every GPU recipe).
+# RECIPES="gdn_300M kda_1B" records those recipes of train_configs/ alone, in that order (default: every GPU recipe);
+# UPCYCLE_ILD and UPCYCLE_KL likewise name the layer-distillation and KL recipes of train_configs/upcycle/.
 set -uo pipefail
 OUT=${OUT:-kernel_configs_logs}
 mkdir -p "$OUT"
@@ -58,11 +59,13 @@ if [[ $parts == *upcycle* ]]; then
     [[ -d /tmp/teachers/$teacher ]] || step "teacher_$teacher" python gpu_harness/random_checkpoint.py "$teacher" \
       "/tmp/teachers/$teacher"
   done
-  for recipe in zebra_llama_1B_ild_mla zebra_llama_1B_ild_mamba2 hylo_1B_ild_gdn; do
+  for recipe in ${UPCYCLE_ILD:-zebra_llama_1B_ild_mla zebra_llama_1B_ild_mamba2 hylo_1B_ild_gdn}; do
     tune "upcycle/$recipe" --distill.teacher /tmp/teachers/llama_1B
   done
-  for recipe in zebra_llama_1B_kl hylo_1B_kl_8k hylo_1B_kl_64k; do
-    tune "upcycle/$recipe" --distill.teacher /tmp/teachers/llama_8B --decode
+  # the KL stages' students one sublayer of each kind (the same shapes; beside the 8B teacher the whole student's
+  # autotuning ran out of memory on one H100 at 4 x 8,192 tokens, 2026-12-07)
+  for recipe in ${UPCYCLE_KL:-zebra_llama_1B_kl hylo_1B_kl_8k hylo_1B_kl_64k}; do
+    tune "upcycle/$recipe" --distill.teacher /tmp/teachers/llama_8B --decode --one-of-each
   done
 fi
 if [[ $parts == *harness* ]]; then
