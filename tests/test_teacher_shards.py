@@ -1,6 +1,7 @@
 """A teacher read into FSDP2's shards (hybridtitan.model_loader.load_into_shards): on 2 CPU ranks each reads the
-rows it holds, from a Llama's sharded safetensors and from a DCP checkpoint, and the model gathered back equals
-the folder read whole in one process; no rank's host memory grows by the whole teacher while it reads."""
+rows it holds, from a Llama's sharded safetensors (tied embeddings or not) and from a DCP checkpoint, and the model
+gathered back equals the folder read whole in one process; no rank's host memory grows by the whole teacher while it
+reads."""
 
 from __future__ import annotations
 
@@ -43,6 +44,20 @@ def read_on_ranks(folder: Path, out: Path, nproc: int) -> tuple[dict, list[dict]
 
 def mib(tensor: torch.Tensor) -> float:
     return tensor.numel() * tensor.element_size() / 2**20
+
+
+def test_a_tied_llama_read_in_shards_equals_it_read_whole(tmp_path):
+    """Llama-3.2's shape of embeddings: the output layer tied to them, no lm_head tensor in the folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2,
+                                 tie_word_embeddings=True)).save_pretrained(tmp_path / "llama")
+    _, expected, _ = read_model(str(tmp_path / "llama"))
+    gathered, _ = read_on_ranks(tmp_path / "llama", tmp_path / "two", 2)
+    assert set(gathered) == set(expected)
+    assert all(torch.equal(gathered[k], t.float()) for k, t in expected.items())
 
 
 @pytest.mark.parametrize("kind", ["safetensors", "dcp"])
