@@ -342,7 +342,8 @@ def measures(records: list[dict], warmup: int, described: dict, matmul_flops: fl
         raise ValueError(f"no log window after the warm-up of {warmup} steps ({len(records)} records)")
     tps = _median(steady, "tokens_per_sec_per_device")
     out = {"steps_measured": sum(n for _, n in windows), "tokens_per_s": tps, "step_s": _median(steady, "step_time_s"),
-           "first_step_s": records[0]["step_time_s"], "loss_last": records[-1]["loss"],
+           "first_step_s": records[0]["step_time_s"], "first_step_at_s": records[0]["elapsed_s"],
+           "loss_last": records[-1]["loss"],
            "memory_gib": _max(records, "memory_gib"), "memory_reserved_gib": _max(records, "memory_reserved_gib"),
            "mfu_logged": _median(steady, "mfu")}
     fpt = described.get("flops_per_token")
@@ -377,6 +378,9 @@ def run_once(args, case: Case, tree: str, batch: int, run_dir: str, matmul_flops
         row["describe_error"] = described["error"]
     with open(row["log"], errors="replace") as f:
         log_text = f.read()
+    # which kernel configurations the run used (shipped, a folder, or autotuning), as its log says
+    row["kernel_configs"] = next((line.split("kernel configurations: ", 1)[1].strip() for line in log_text.splitlines()
+                                  if "kernel configurations: " in line), None)
     if code is None:
         return {**row, "status": "TIMEOUT", "error": f"stopped after {args.timeout:.0f} s"}
     if code != 0:
@@ -414,8 +418,9 @@ def _pct(x):
     return f"{100 * x:.1f}%" if x is not None else "-"
 
 
-COLUMNS = ["case", "tree", "rep", "batch", "tok/s/dev", "ms/step", "first step s", "TFLOP/s/GPU", "MFU logged",
-           "MFU vs matmul", "peak alloc GiB", "peak reserved GiB", "estimate GiB (peak / estimate)", "status"]
+COLUMNS = ["case", "tree", "rep", "batch", "tok/s/dev", "ms/step", "first step s", "first step at s", "TFLOP/s/GPU",
+           "MFU logged", "MFU vs matmul", "peak alloc GiB", "peak reserved GiB", "estimate GiB (peak / estimate)",
+           "status"]
 
 
 def table_rows(rows: list[dict]) -> list[list]:
@@ -430,7 +435,7 @@ def table_rows(rows: list[dict]) -> list[list]:
         case = r["case"] + (f" ({r['flavor']})" if r.get("flavor") and r["flavor"] != r["case"].split(":")[0] else "")
         out.append([case, r["tree"], r["repeat"], r.get("local_batch"), _num(r.get("tokens_per_s"), "{:,.0f}"),
                     _num(1e3 * r["step_s"] if r.get("step_s") else None), _num(r.get("first_step_s")),
-                    _num(r.get("tflops_per_gpu")),
+                    _num(r.get("first_step_at_s")), _num(r.get("tflops_per_gpu")),
                     _pct(r.get("mfu_logged")), _pct(r.get("mfu_matmul")), _num(r.get("memory_gib")),
                     _num(r.get("memory_reserved_gib")), estimate, status])
     return out
