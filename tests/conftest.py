@@ -51,45 +51,6 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: not any(item.nodeid.endswith(name) for name in LONGEST_FIRST))
 
 
-class ForkCrashWarning(UserWarning):
-    """A test failed with a forked process killed by a fatal signal, and ran again in fresh ones (helpers.run_ranks)."""
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_protocol(item, nextitem):
-    """pytest's own protocol (setup, call, teardown, then their reports), run a second time where the first failed
-    and a process forked from the tests' server (tests/helpers.py) died of a fatal signal during it: from then on
-    every process of this worker is a fresh interpreter, so the second run says whether the crash is the product's
-    (it recurs and the test fails) or came of the fork. Only the second run's reports count, with a warning that
-    quotes the crash."""
-    from _pytest.runner import runtestprotocol
-
-    def fork_crashes() -> list[str]:  # read at each use: the test may import helpers, or set its list
-        return getattr(sys.modules.get("helpers"), "FORK_CRASHES", [])
-
-    before = len(fork_crashes())
-    item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-    reports = runtestprotocol(item, nextitem=nextitem, log=False)
-    crashes = fork_crashes()
-    if len(crashes) > before and any(report.failed for report in reports):
-        # a fixture whose setup failed keeps its error for every later test (pytest caches it): set it up again
-        for fixturedefs in item._fixtureinfo.name2fixturedefs.values():
-            for fixturedef in fixturedefs:
-                if fixturedef.cached_result is not None and fixturedef.cached_result[2] is not None:
-                    fixturedef.cached_result = None
-        reports = runtestprotocol(item, nextitem=nextitem, log=False)
-        message = (f"{item.nodeid} failed where a forked process died of a fatal signal; run again in fresh "
-                   f"processes, it {'failed' if any(r.failed for r in reports) else 'passed'}. The crash:\n"
-                   + "\n".join(crashes[before:]))
-        item.ihook.pytest_warning_recorded.call_historic(kwargs=dict(
-            warning_message=warnings.WarningMessage(ForkCrashWarning(message), ForkCrashWarning, __file__, 0),
-            when="runtest", nodeid=item.nodeid, location=None))
-    for report in reports:
-        item.ihook.pytest_runtest_logreport(report=report)
-    item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
-    return True
-
-
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

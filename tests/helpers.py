@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -66,12 +67,11 @@ def run_ranks(args: list[str], nproc: int, *, timeout: float = 600, environ: dic
     for it in their next collective). Returns run_processes' CompletedProcess.
 
     The ranks are forks of the preloaded server (start()), as a single process is: a fresh rank spends ~4.5 s of CPU
-    importing before it trains, and the suite starts ~80 ranks. A forked rank of a 2-rank gloo run once died of
-    SIGSEGV (CI, 2026-12-03, test_clipping_and_update_over_shards[1]); 752 forked ranks since did not reproduce it
-    (2026-12-03/04) and the cause is not known. So a forked process killed by a fatal signal is recorded
-    (FORK_CRASHES, with faulthandler's Python stacks from its stderr), every later process of this pytest worker is
-    a fresh interpreter, and a test that failed with such a crash runs once more (tests/conftest.py), with a warning
-    that quotes the crash: a crash of the product itself recurs in fresh processes and fails the test."""
+    importing before it trains, and the suite starts ~80 ranks. A forked rank of a 2-rank gloo run died of SIGSEGV
+    once (CI, 2026-12-03), of a cause not found; so a forked process killed by a fatal signal raises
+    ForkedProcessCrashed (with faulthandler's Python stacks), every later process of this pytest worker is a fresh
+    interpreter, and pytest-rerunfailures runs the test once more (pyproject.toml: --only-rerun
+    ForkedProcessCrashed): a crash of the product itself recurs in fresh processes and fails the test."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -103,85 +103,113 @@ def run_processes(args: list[str], environs: list[dict], *, timeout: float = 600
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    outputs = [p.communicate() for p in procs]
+    outputs, crash = [], None
+    for p in procs:
+        try:
+            outputs.append(p.communicate())
+        except ForkedProcessCrashed as e:
+            crash = crash or e
+    if crash:
+        raise crash
     return subprocess.CompletedProcess([sys.executable, *args], failed, "".join(out for out, _ in outputs),
                                        "".join(err for _, err in outputs))
 
 
 def start(args: list[str], environ: dict | None = None) -> Started:
     """``python ARGS`` (``-m MODULE ...`` or ``SCRIPT ...``) with ``environ`` (default env()) in the repository's
-    folder, its output kept in files: forked from the fork server of tests/preloaded.py (the trainer's, the
-    evaluation's and the exports' modules imported), which becomes a fresh interpreter where the environment
-    would change what those imports did (tests/forked.py), or once a forked process has crashed (run_ranks)."""
+    folder, its output kept in files: forked from the fork server (tests/forked.py: the trainer's, the evaluation's
+    and the exports' modules imported), which execs a fresh interpreter where the environment would change what those
+    imports did, or once a forked process has crashed (run_ranks)."""
     environ = env() if environ is None else environ
-    return Started(args, environ, _fork_server(), fresh=bool(FORK_CRASHES))
+    return Started(args, environ, fresh=bool(FORK_CRASHES))
+
+
+class ForkedProcessCrashed(Exception):
+    """A process forked from the tests' server died of a fatal signal (run_ranks says what follows)."""
 
 
 class Started:
     """A process of start(), used as a Popen: poll(), kill(), wait(), communicate() -> (stdout, stderr) as text,
     returncode."""
 
-    def __init__(self, args: list[str], environ: dict, server: _ForkServer, fresh: bool = False):
-        from forked import run_as_python
-
+    def __init__(self, args: list[str], environ: dict, fresh: bool = False):
         self.args = [sys.executable, *args]
         self._folder = tempfile.TemporaryDirectory(prefix="hybridtitan-test-")
         self._out, self._err = (os.path.join(self._folder.name, name) for name in ("stdout", "stderr"))
-        self._process = server.context.Process(target=run_as_python,
-                                               args=(args, environ, str(ROOT), self._out, self._err, fresh))
-        self._process.start()
+        self._server = _fork_server()
+        self._id, self.pid = self._server.request(dict(args=args, environ=environ, cwd=str(ROOT), stdout=self._out,
+                                                        stderr=self._err, fresh=fresh))
 
     @property
     def returncode(self) -> int | None:
-        return self._process.exitcode
+        return self._server.exits.get(self._id)
 
     def poll(self) -> int | None:
-        return self._process.exitcode
+        return self.returncode
 
     def kill(self) -> None:
-        self._process.kill()
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> int:
-        self._process.join(timeout)
-        if self._process.exitcode is None:
+        if not self._server.wait_exit(self._id, timeout):
             raise subprocess.TimeoutExpired(self.args, timeout)
-        return self._process.exitcode
+        return self.returncode
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
-        """Waits for the end (as Popen.communicate: a TimeoutExpired leaves the process running), then the output."""
+        """Waits for the end (as Popen.communicate: a TimeoutExpired leaves the process running), then the output.
+        Raises ForkedProcessCrashed where a fork died of a fatal signal."""
         self.wait(timeout)
         with open(self._out) as out, open(self._err) as err:
             output = out.read(), err.read()
-        forked = os.path.exists(self._out + ".forked")  # run_as_python marks a run in the fork itself
+        forked = os.path.exists(self._out + ".forked")  # the server marks a run that is a fork
         self._folder.cleanup()
         if forked and -self.returncode in FATAL_SIGNALS:
             FORK_CRASHES.append(f"{' '.join(self.args)}: {signal.Signals(-self.returncode).name}\n{output[1][-6000:]}")
+            raise ForkedProcessCrashed(FORK_CRASHES[-1])
         return output
 
 
 class _ForkServer:
-    """A multiprocessing fork server that has imported tests/preloaded.py, started once per pytest worker."""
+    """``python tests/forked.py``, started once per pytest worker, and a thread that reads what it reports."""
 
     def __init__(self):
-        import multiprocessing
-        from multiprocessing import forkserver
-
-        self.context = multiprocessing.get_context("forkserver")
-        self.context.set_forkserver_preload(["preloaded", "forked"])
         # the server imports in a trainer's environment (some modules read it at import), made from this process's
-        # environment as the tests found it (not one a test has changed for its own runs), with this folder on
-        # the path: Python 3.11's fork server does not take this process's sys.path, and drops a preload module
-        # that it cannot import without a word
-        saved = dict(os.environ)
-        os.environ.clear()
-        os.environ.update(_ENVIRON)
-        server = env()
-        os.environ.update(server, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), server["PYTHONPATH"]]))
-        try:
-            forkserver.ensure_running()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
+        # environment as the tests found it (not one a test has changed for its own runs)
+        server_env = dict(_ENVIRON)
+        server_env.update(env())
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "forked.py")], cwd=ROOT, env=server_env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.pids: dict[int, int] = {}
+        self.exits: dict[int, int] = {}
+        self.changed = threading.Condition()
+        self.next_id = 0
+        threading.Thread(target=self._read, daemon=True, name="fork-server").start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            message = json.loads(line)
+            with self.changed:
+                (self.pids if "pid" in message else self.exits)[message["id"]] = message.get("pid",
+                                                                                            message.get("exit"))
+                self.changed.notify_all()
+
+    def request(self, request: dict) -> tuple[int, int]:
+        """Sends a request; returns its id and the child's pid once forked."""
+        with self.changed:
+            self.next_id += 1
+            rid = self.next_id
+            self.proc.stdin.write(json.dumps(dict(request, id=rid)) + "\n")
+            self.proc.stdin.flush()
+            if not self.changed.wait_for(lambda: rid in self.pids or self.proc.poll() is not None, timeout=60):
+                raise RuntimeError("the tests' fork server did not fork in 60 s")
+            if rid not in self.pids:
+                raise RuntimeError(f"the tests' fork server ended ({self.proc.returncode})")
+            return rid, self.pids[rid]
+
+    def wait_exit(self, rid: int, timeout: float | None) -> bool:
+        with self.changed:
+            return self.changed.wait_for(lambda: rid in self.exits, timeout=timeout)
 
 
 _SERVER: _ForkServer | None = None

@@ -2,10 +2,10 @@
 each skips the ~4 s of CPU that importing torch, DTensor, DCP, transformers and datasets costs (a 1-step run of the
 trainer: ~6.5 s of CPU as a fresh interpreter, ~1.5 s as a fork).
 
-A multiprocessing fork server (the method torch's DataLoader offers for its workers) imports this module, and with
-it the package's modules, once per pytest worker; each process is then a fork of it that takes the run's environment,
-working folder, argv and output files and runs ``python -m MODULE`` / ``python SCRIPT`` as Python runs them
-(tests/forked.py). Only the server imports this module; it imports no test code.
+The tests' fork server (tests/forked.py) imports this module, and with it the package's modules, once per pytest
+worker; each process is then a fork of it that takes the run's environment, working folder, argv and output files
+and runs ``python -m MODULE`` / ``python SCRIPT`` as Python runs them. Only the server imports this module; it
+imports no test code.
 
 What a fork cannot give, the tests that need it launch a fresh interpreter (tests/helpers.py decides): a process
 whose environment differs from the server's in what is read at start-up or import (PYTHONPATH's code loaded at
@@ -18,10 +18,6 @@ import gc
 import importlib
 import os
 import sys
-
-# the environment the server was started in, less the tests' folder that tests/helpers.py put first on its path to
-# import this module (not on the path of the processes it serves)
-ENVIRON_BEFORE_IMPORTS = dict(os.environ, PYTHONPATH=os.environ["PYTHONPATH"].split(os.pathsep, 1)[1])
 
 # One thread in the server, so that a fork copies a process whose every thread it has (POSIX: the fork of a process
 # with more threads may call only async-signal-safe functions): pyarrow (datasets imports it) loads a jemalloc that
@@ -50,7 +46,6 @@ for _name in COMMANDS:
 for _name in COMMANDS:
     del sys.modules[f"hybridtitan.{_name}"]
     delattr(hybridtitan, _name)
-ENVIRON_AFTER_IMPORTS = dict(os.environ)
 # the objects made so far are never collected: a fork's garbage collections do not visit (and so copy) their pages
 gc.collect()
 gc.freeze()

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 import helpers
 from helpers import ROOT, env, run_ranks, start
 
@@ -63,27 +65,30 @@ def test_torchruns_variables_keep_a_fork_and_the_ranks_of_a_run_are_forks(tmp_pa
 
 
 def test_a_forked_process_that_crashes_is_recorded_and_the_next_ones_are_fresh(tmp_path, monkeypatch):
-    """A fork killed by SIGSEGV: its command, the signal and faulthandler's Python stack are recorded, and every later
-    process is a fresh interpreter (tests/helpers.run_ranks says why); a fresh process's crash is not a fork's."""
+    """A fork killed by SIGSEGV raises ForkedProcessCrashed with its command, the signal and faulthandler's Python
+    stack, and every later process is a fresh interpreter (tests/helpers.run_ranks says why); a fresh process's crash
+    is not a fork's: its exit code is returned."""
     monkeypatch.setattr(helpers, "FORK_CRASHES", [])  # this worker's own record and its later processes untouched
     script = tmp_path / "crash.py"
     script.write_text("import os, signal, sys\nprint('forked', 'preloaded' in sys.modules)\n"
                       "def crash():\n    os.kill(os.getpid(), signal.SIGSEGV)\ncrash()\n")
     proc = start([str(script)])
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == -signal.SIGSEGV and "forked True" in out, (proc.returncode, out, err)
+    with pytest.raises(helpers.ForkedProcessCrashed) as raised:
+        proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGSEGV
     (crash,) = helpers.FORK_CRASHES
-    assert crash.startswith(f"{sys.executable} {script}: SIGSEGV\n") and 'in crash' in crash, crash
+    assert str(raised.value) == crash and crash.startswith(f"{sys.executable} {script}: SIGSEGV\n"), crash
+    assert 'in crash' in crash, crash
     proc = start([str(script)])
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGSEGV and "forked False" in out and len(helpers.FORK_CRASHES) == 1, out
 
 
 def test_a_test_failed_by_a_forked_crash_runs_again_in_fresh_processes(tmp_path):
-    """tests/conftest.py's protocol, in pytest runs of their own (one under pytest-xdist, as the suite runs): a test
-    that fails where a forked rank died of SIGSEGV runs once more, its ranks fresh, and so does one whose session
-    fixture failed so (the fixture set up again); only the second run's result counts, and a warning quotes the
-    crash. A test that fails without a crash is not run again."""
+    """pyproject.toml's --reruns 1 --only-rerun ForkedProcessCrashed, in pytest runs of their own (one under
+    pytest-xdist, as the suite runs): a test whose forked rank died of SIGSEGV runs once more, its ranks fresh, and so
+    does one whose session fixture failed so (the fixture set up again); only the second run's result counts. A test
+    that fails without a crash is not run again."""
     rank = ("import os, signal, sys\\n"
             "if 'preloaded' in sys.modules and os.environ.get('RANK', '1') == '1':\\n"
             "    os.kill(os.getpid(), signal.SIGSEGV)\\n")
@@ -126,21 +131,20 @@ def test_a_test_failed_by_a_forked_crash_runs_again_in_fresh_processes(tmp_path)
             assert made == "made"
     """))
     # each file in a pytest run of its own (the first crash makes every later process of a run fresh); the first
-    # under pytest-xdist as the suite runs, the second in one process
+    # under pytest-xdist as the suite runs, the second in one process; the options of pyproject.toml
     environ = dict(os.environ, PYTHONPATH=str(ROOT / "tests"))
-    runs = [subprocess.Popen([sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-rA", "-q",
-                              *workers, name], cwd=tmp_path, env=environ, stdout=subprocess.PIPE, text=True)
+    runs = [subprocess.Popen([sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml"), "--rootdir",
+                              str(tmp_path), "-p", "conftest", "-p", "no:cacheprovider", "-rAR", "-q", *workers,
+                              str(tmp_path / name)], cwd=tmp_path, env=environ, stdout=subprocess.PIPE, text=True)
             for workers, name in ((["-n", "1"], "test_inner_ranks.py"), (["-n", "0"], "test_inner_fixture.py"))]
     ranks, fixture = (run.communicate(timeout=600)[0] for run in runs)
-    assert "\n1 failed, 1 passed, 1 warning in " in ranks, ranks[-4000:]
+    assert "\n1 failed, 1 passed, 1 rerun in " in ranks, ranks[-4000:]
     assert "FAILED test_inner_ranks.py::test_plain_failure" in ranks, ranks[-4000:]
-    assert "\n1 passed, 1 warning in " in fixture, fixture[-4000:]
+    assert "\n1 passed, 1 rerun in " in fixture, fixture[-4000:]
     assert sorted((tmp_path / "runs").read_text().split()) == ["fixture", "fixture", "plain", "ranks", "ranks"]
     for out, test in ((ranks, "test_inner_ranks.py::test_ranks"),
                       (fixture, "test_inner_fixture.py::test_with_fixture")):
-        assert (f"ForkCrashWarning: {test} failed where a forked process died of a fatal signal; run again in fresh "
-                "processes, it passed. The crash:") in out, out[-4000:]
-        assert out.count("rank.py: SIGSEGV") == 1, out[-4000:]
+        assert f"RERUN {test}" in out, out[-4000:]  # pyproject.toml's -rR: the summary names what ran again
 
 
 def test_another_start_up_environment_gets_a_fresh_interpreter(tmp_path):
