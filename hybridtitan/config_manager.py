@@ -392,7 +392,9 @@ def check_dpo(cfg: JobConfig, check_data: bool = True) -> None:
                           (cfg.data.path, "data.path (the pairs are dpo.path; [data] gives the tokenizer alone)"),
                           (cfg.validation.data.path, "validation.data.path (the held-out pairs are "
                                                      "dpo.validation_path)"),
-                          (cfg.data.num_workers, "data.num_workers (the pairs are batched in the training process)")):
+                          (cfg.data.num_workers, "data.num_workers (the pairs are batched in the training process)"),
+                          (cfg.data.document_boundaries, "data.document_boundaries (each row is one pair's sequence)"),
+                          (cfg.training.eod_mask_loss, "training.eod_mask_loss (the responses' tokens alone count)")):
         if refused:
             raise ConfigError(f"dpo.path: a DPO run does not take {what}; unset it")
     if not cfg.data.tokenizer:

@@ -164,6 +164,32 @@ def test_rows_count_the_response_tokens_alone(tmp_path):
     assert len(pairs.prompts[3]) + len(pairs.chosen[3]) == 128
 
 
+def test_conversations_read_through_datasets(tmp_path):
+    """Rows as Hugging Face's ultrafeedback_binarized holds them (each response a conversation ending with it, the
+    prompt its turns before), from a file datasets reads: the prompt is the conversation's turns before the
+    response, rendered as a prompt given as text would be; responses that continue different conversations are
+    refused, naming the row."""
+    from hybridtitan.data import build_tokenizer
+    from hybridtitan.data.preference import read_pairs
+    from hybridtitan.job_config import Dpo
+
+    tok = build_tokenizer("hybridtitan/assets/tokenizer")
+    user = {"role": "user", "content": "Name a prime."}
+    rows = [{"prompt": "Name a prime.", "chosen": [user, {"role": "assistant", "content": "7."}],
+             "rejected": [user, {"role": "assistant", "content": "9."}]}]
+    (tmp_path / "pairs.json").write_text(json.dumps(rows))
+    as_text = tmp_path / "text.jsonl"
+    write_jsonl(as_text, [{"prompt": "Name a prime.", "chosen": "7.", "rejected": "9."}])
+    pairs = read_pairs(Dpo(path=str(tmp_path / "pairs.json")), tok, max_length=128, vocab_size=8192)
+    text = read_pairs(Dpo(path=str(as_text)), tok, max_length=128, vocab_size=8192)
+    for a, b in ((pairs.prompts, text.prompts), (pairs.chosen, text.chosen), (pairs.rejected, text.rejected)):
+        assert a[0].tolist() == b[0].tolist()
+    rows[0]["rejected"][0] = {"role": "user", "content": "Name a square."}
+    (tmp_path / "pairs.json").write_text(json.dumps(rows))
+    with pytest.raises(ValueError, match="dpo.path: row 0: 'chosen' and 'rejected' continue different"):
+        read_pairs(Dpo(path=str(tmp_path / "pairs.json")), tok, max_length=128, vocab_size=8192)
+
+
 # ------------------------------------------------------------------------------------------------- training
 
 
