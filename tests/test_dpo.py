@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -247,6 +248,27 @@ def test_dpo_resumes_exactly_on_two_ranks(tmp_path):
     keys = FileSystemReader(str(resumed / "checkpoint" / "step-6")).read_metadata().state_dict_metadata
     assert any(k.startswith("model.") for k in keys) and "dataloader" in {k.split(".")[0] for k in keys}
     assert not any("reference" in k for k in keys)
+
+
+def test_the_reference_is_the_start_and_stays_it_on_a_resume(tmp_path):
+    """Unset, dpo.reference is the newest step of checkpoint.initial_load_path's folder when the run starts; a resume
+    reads the step its run recorded, not a newer one that has appeared in that folder since."""
+    from hybridtitan.config_manager import parse_config
+    from hybridtitan.dpo import reference_path
+    from hybridtitan.preflight import StartPoint
+
+    path = write_jsonl(tmp_path / "pairs.jsonl", preference_rows(4, 0))
+    start_checkpoint(tmp_path / "kl")  # kl/checkpoint/step-0
+    cfg = parse_config(["--job.config_file", recipe(tmp_path), "--job.dump_folder", str(tmp_path / "run"),
+                        "--dpo.path", path, "--checkpoint.initial_load_path", str(tmp_path / "kl" / "checkpoint")])
+    first = reference_path(cfg, None)
+    assert first == str(tmp_path / "kl" / "checkpoint" / "step-0")
+    shutil.copytree(first, tmp_path / "kl" / "checkpoint" / "step-7")  # a newer step of stage 2
+    own = tmp_path / "run" / "checkpoint" / "step-3"
+    own.mkdir(parents=True)
+    (own / "job_config.json").write_text(json.dumps({"dpo": {"reference": first}}))
+    assert reference_path(cfg, StartPoint(str(own), model_only=False, description="resumed")) == first
+    assert reference_path(cfg, None) == str(tmp_path / "kl" / "checkpoint" / "step-7")
 
 
 # ------------------------------------------------------------------------------------------- malformed data
