@@ -25,7 +25,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from hybridtitan.cli_help import choices_text, help_text, reference_markdown
-from hybridtitan.data.config import Data, validate_data_config
+from hybridtitan.data.config import Data, local_data_files, looks_local, resolve_path, validate_data_config
 from hybridtitan.errors import ConfigError
 from hybridtitan.job_config import TITAN_OPTIONS, TITAN_SECTIONS, JobConfig
 from hybridtitan.models import ModelArgs, get_flavor
@@ -359,8 +359,10 @@ def validate(cfg: JobConfig, check_data: bool = True) -> None:
     d = cfg.distill
     if d.teacher and not any((d.kl_weight, d.ce_weight, d.layer_weight)):
         raise ConfigError("distill: kl_weight, ce_weight and layer_weight are all 0: nothing would be learned")
+    if cfg.dpo.path:
+        check_dpo(cfg, check_data)
     try:
-        if check_data:
+        if check_data and not cfg.dpo.path:
             validate_data_config(cfg.data)
             if v.data.tokenizer != Data().tokenizer:
                 raise ConfigError("validation.data.tokenizer is not used: the held-out set is read with "
@@ -380,6 +382,34 @@ def validate(cfg: JobConfig, check_data: bool = True) -> None:
         raise
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def check_dpo(cfg: JobConfig, check_data: bool = True) -> None:
+    """A DPO recipe ([dpo] path): its pairs are all it reads, one stage at a time; with ``check_data``, its files are
+    there."""
+    d = cfg.dpo
+    for refused, what in ((cfg.distill.teacher, "distill.teacher (distillation is another stage)"),
+                          (cfg.data.path, "data.path (the pairs are dpo.path; [data] gives the tokenizer alone)"),
+                          (cfg.validation.data.path, "validation.data.path (the held-out pairs are "
+                                                     "dpo.validation_path)"),
+                          (cfg.data.num_workers, "data.num_workers (the pairs are batched in the training process)"),
+                          (cfg.data.document_boundaries, "data.document_boundaries (each row is one pair's sequence)"),
+                          (cfg.training.eod_mask_loss, "training.eod_mask_loss (the responses' tokens alone count)")):
+        if refused:
+            raise ConfigError(f"dpo.path: a DPO run does not take {what}; unset it")
+    if not cfg.data.tokenizer:
+        raise ConfigError("data.tokenizer is required: the pairs are tokenized with it")
+    if not check_data:
+        return
+    local = looks_local(d.path) and not os.path.isdir(resolve_path(d.path))
+    if local and not local_data_files(d.path):
+        raise ConfigError(f"dpo.path: no such file or folder: {d.path}")
+    if cfg.validation.enable and local and not d.validation_path:
+        raise ConfigError(f"dpo.validation_path: validation.enable needs held-out pairs, and the local files of "
+                          f"dpo.path ({d.path}) are the training pairs: give other files")
+    if d.validation_path and looks_local(d.validation_path) and not os.path.isdir(resolve_path(d.validation_path)) \
+            and not local_data_files(d.validation_path):
+        raise ConfigError(f"dpo.validation_path: no such file or folder: {d.validation_path}")
 
 
 def check_ranges(cfg: JobConfig) -> None:

@@ -72,6 +72,9 @@ def teacher_estimate(cfg: JobConfig, args, tokens: int, param_bytes: int) -> dic
     16-bit logits of distill.chunk_size tokens on GPUs (FLA's kernel: of up to an eighth of the tokens, and the
     float32 gradient of the output weight), five float32 chunks more where it runs eagerly. {} without a teacher."""
     d = cfg.distill
+    if cfg.dpo.path:  # not estimated yet: said
+        return {"assumes": "; DPO's frozen reference (dpo.reference) is left out, and so is the second row of each "
+                           "pair (a micro-batch of training.local_batch_size pairs is twice as many rows)"}
     if not d.teacher:
         return {}
     from hybridtitan.distill import Teacher, training_flops_per_token

@@ -44,40 +44,48 @@ logger = logging.getLogger("hybridtitan")
 
 @dataclasses.dataclass(frozen=True)
 class Teacher:
-    """A teacher that preflight found to fit the student."""
+    """A frozen model that preflight found to fit the student: a distillation teacher, or DPO's reference."""
 
     path: str
     args: ModelArgs
     warning: str | None = None  # what the run's log should say of it
 
 
-def check_teacher(cfg: JobConfig, student: ModelArgs, tokenizer) -> Teacher | None:
-    """The [distill] teacher, checked against the student without reading its weights: a model folder that loads,
-    the student's vocabulary size and tokenizer, and for layer distillation the same sublayer structure and width.
-    ConfigError (one line) otherwise; None where the recipe names no teacher."""
-    d = cfg.distill
-    if not d.teacher:
-        return None
-    # imported here: the Hugging Face side (a second of start-up) only where a teacher is read
+def check_frozen(path: str, key: str, cfg: JobConfig, student: ModelArgs, tokenizer) -> Teacher:
+    """A frozen model beside the student (recipe key ``key``), checked without reading its weights: a model folder
+    that loads, of the student's vocabulary size and tokenizer. ConfigError (one line) otherwise."""
+    # imported here: the Hugging Face side (a second of start-up) only where a frozen model is read
     from hybridtitan.checkpoint import CheckpointError
     from hybridtitan.hf.convert import load_tokenizer
     from hybridtitan.model_folder import read_folder
 
     try:
-        held = read_folder(d.teacher)
-        args, teacher_tokenizer = held.args, held.tokenizer
-        teacher_tok = load_tokenizer(teacher_tokenizer) if teacher_tokenizer else None
+        held = read_folder(path)
+        args, frozen_tokenizer = held.args, held.tokenizer
+        frozen_tok = load_tokenizer(frozen_tokenizer) if frozen_tokenizer else None
     except (CheckpointError, ConversionError) as e:
-        raise ConfigError(f"distill.teacher: {e}") from None
+        raise ConfigError(f"{key}: {e}") from None
     if args.vocab_size != student.vocab_size:
-        raise ConfigError(f"distill.teacher {d.teacher} has a vocabulary of {args.vocab_size}, the student "
-                          f"{student.vocab_size}: distillation compares their distributions token by token")
+        raise ConfigError(f"{key} {path} has a vocabulary of {args.vocab_size}, the student "
+                          f"{student.vocab_size}: the two models' distributions are compared token by token")
     warning = None
-    if teacher_tok is None:
-        warning = f"distill.teacher {d.teacher} names no tokenizer: that it encodes as data.tokenizer cannot be checked"
-    elif tokenizer is not None and vocabulary_fingerprint(teacher_tok) != vocabulary_fingerprint(tokenizer):
-        raise ConfigError(f"distill.teacher {d.teacher}: its tokenizer ({teacher_tokenizer}) differs from "
+    if frozen_tok is None:
+        warning = f"{key} {path} names no tokenizer: that it encodes as data.tokenizer cannot be checked"
+    elif tokenizer is not None and vocabulary_fingerprint(frozen_tok) != vocabulary_fingerprint(tokenizer):
+        raise ConfigError(f"{key} {path}: its tokenizer ({frozen_tokenizer}) differs from "
                           f"data.tokenizer ({cfg.data.tokenizer}): the same ids would mean other tokens")
+    return Teacher(path, args, warning)
+
+
+def check_teacher(cfg: JobConfig, student: ModelArgs, tokenizer) -> Teacher | None:
+    """The [distill] teacher, checked against the student without reading its weights (check_frozen), and for layer
+    distillation the same sublayer structure and width. ConfigError (one line) otherwise; None where the recipe
+    names no teacher."""
+    d = cfg.distill
+    if not d.teacher:
+        return None
+    teacher = check_frozen(d.teacher, "distill.teacher", cfg, student, tokenizer)
+    args = teacher.args
     if d.layer_weight:
         structure = [k == "mlp" for k in args.kinds], [k == "mlp" for k in student.kinds]
         if structure[0] != structure[1] or args.dim != student.dim:
@@ -87,7 +95,7 @@ def check_teacher(cfg: JobConfig, student: ModelArgs, tokenizer) -> Teacher | No
         if student.kinds[0] == "mlp":
             raise ConfigError(f"distill.layer_weight: the pattern {student.pattern} starts with an MLP; layer "
                               "distillation's blocks start with attention or a mixer")
-    return Teacher(d.teacher, args, warning)
+    return teacher
 
 
 def training_flops_per_token(args, seq_len: int, d, teacher) -> float:
@@ -111,25 +119,31 @@ def _keep(hidden: torch.Tensor, output_weight: torch.Tensor):
     return hidden, output_weight.detach().clone()
 
 
+def frozen_model(frozen: Teacher, mesh, device: torch.device, kernels, param_dtype: torch.dtype):
+    """(model, how to name its source, its parameter count): a frozen model (a teacher, a reference) built and
+    sharded with FSDP2 as the student is, in ``param_dtype``, each rank reading its shard of the weights alone
+    (model_loader.load_into_shards), never the whole. It takes no gradient, has no optimizer state and is never in
+    a checkpoint (it is read again from its folder on a resume)."""
+    from hybridtitan.model_loader import load_into_shards
+    from hybridtitan.models import build_model
+    from hybridtitan.parallel import parallelize
+
+    model = build_model(frozen.args, "meta", kernels).to(param_dtype)
+    # every module frees its gathered parameters after its forward (the root too: no backward needs them)
+    parallelize(model, mesh, ac_mode="none", ac_every=1, compile_model=False, param_dtype=param_dtype,
+                reduce_dtype=param_dtype, reshard_after_forward="always")
+    model.to_empty(device=device)
+    source = load_into_shards(model, frozen.path)  # each rank reads its shard alone, never the whole model
+    return model.requires_grad_(False).eval(), source, sum(p.numel() for p in model.parameters())
+
+
 class Distiller:
     """The teacher and the losses of one run."""
 
     def __init__(self, d, teacher: Teacher, mesh, device: torch.device, kernels, param_dtype: torch.dtype):
-        from hybridtitan.model_loader import load_into_shards
-        from hybridtitan.models import build_model
-        from hybridtitan.parallel import parallelize
-
         self.d, self.kernels = d, kernels
-        args = teacher.args
-        model = build_model(args, "meta", kernels).to(param_dtype)
-        # every module frees its gathered parameters after its forward (the root too: no backward needs them)
-        parallelize(model, mesh, ac_mode="none", ac_every=1, compile_model=False, param_dtype=param_dtype,
-                    reduce_dtype=param_dtype, reshard_after_forward="always")
-        model.to_empty(device=device)
-        source = load_into_shards(model, teacher.path)  # each rank reads its shard alone, never the whole teacher
-        self.teacher = model.requires_grad_(False).eval()
-        n_params = sum(p.numel() for p in model.parameters())
-        logger.info(f"distillation teacher: {source}, pattern {args.pattern}, {n_params:,} "
+        self.teacher, source, n_params = frozen_model(teacher, mesh, device, kernels, param_dtype)
+        logger.info(f"distillation teacher: {source}, pattern {teacher.args.pattern}, {n_params:,} "
                     f"parameters (sharded, {str(param_dtype).removeprefix('torch.')}); loss = {d.kl_weight} x T^2 x KL "
                     f"+ {d.ce_weight} x CE + {d.layer_weight} x layer distance, T = {d.temperature}")
 

@@ -412,6 +412,9 @@ class Debug:
 # [distill]: Distill (ours)
 
 
+# [dpo]: Dpo (ours)
+
+
 @dataclass(frozen=True)
 class Eval:
     tasks: list[str] = field(default_factory=list)
@@ -461,6 +464,49 @@ class Distill:
     kernel: Literal["hybridtitan", "fla"] = "hybridtitan"
     """GPU: the KL's kernel: hybridtitan's (the chunks above, each one's softmax in a Triton kernel) or FLA's fused
     KL (temperature 1 only; its own chunks; its output-weight gradient accumulates in float32 GEMMs)"""
+
+
+@dataclass(frozen=True)
+class Dpo:
+    path: str = ""
+    """Preference pairs (prompt, chosen, rejected): local .jsonl/.json/.parquet files (a file or a glob), a folder or a
+    Hugging Face dataset name. Set: the run is DPO (docs/dpo.md), each pair at most training.seq_len tokens, prompt and
+    response; empty: no DPO"""
+
+    name: str = ""
+    """The dataset's config name, where it has several"""
+
+    split: str = "train"
+    """The split of the training pairs (local files are the split)"""
+
+    validation_path: str = ""
+    """With validation.enable: the held-out pairs, as dpo.path (empty: dpo.path itself, its validation_split)"""
+
+    validation_split: str = "test"
+    """The split of the held-out pairs"""
+
+    prompt_field: str = "prompt"
+    """The column of the prompt: a text (the user's turn) or a list of {role, content} messages"""
+
+    chosen_field: str = "chosen"
+    """The column of the preferred response: a text, or a list of messages whose last is the response (the messages
+    before it, where there are any, are then the prompt)"""
+
+    rejected_field: str = "rejected"
+    """The column of the dispreferred response, as chosen_field"""
+
+    chat_template: str = "zebra"
+    """The template that renders prompt and response: zebra (Zebra-Llama's, hybridtitan/assets/chat_templates/),
+    tokenizer (the tokenizer's own), a .jinja file, or none (the texts as they are, an EOS after the response)"""
+
+    reference: str = ""
+    """The frozen reference model (sharded like a distillation teacher): a model folder of the student's vocabulary
+    and tokenizer. Empty: the checkpoint the stage starts from (the run's own step-0, else
+    checkpoint.initial_load_path)"""
+
+    beta: float = ruled(0.1, "positive", lambda v: math.isfinite(v) and v > 0)
+    """The DPO temperature beta: loss = -log sigmoid(beta x ((pi_c - ref_c) - (pi_r - ref_r))), over the responses'
+    summed log-probabilities"""
 
 
 @dataclass(frozen=True)
@@ -514,6 +560,7 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     eval: Eval = field(default_factory=Eval)
     distill: Distill = field(default_factory=Distill)
+    dpo: Dpo = field(default_factory=Dpo)
     quantize: Quantize = field(default_factory=Quantize)
 
 

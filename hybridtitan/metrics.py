@@ -109,8 +109,8 @@ class MetricsLogger:
             # the model FLOPs done per second (training FLOPs per token x tokens/s), the figure Primus reports
             "tflops_per_device": self.flops_per_token * tps / 1e12,
         }
-        for name, value in (parts or {}).items():
-            record[f"distill/{name}"] = value
+        for name, value in (parts or {}).items():  # distillation's by their names, DPO's under dpo/
+            record[name if "/" in name else f"distill/{name}"] = value
         if loss_tokens is not None:
             record["loss_tokens"] = loss_tokens
         if self.peak:
@@ -136,6 +136,16 @@ class MetricsLogger:
             self._record(record)
         return record
 
+    def log_preference_validation(self, step: int, *, loss: float, pairs: int, values: dict[str, float]) -> dict:
+        """DPO's held-out pairs at ``step``: the mean loss and ``values`` (dpo/accuracy, dpo/margin, the chosen and
+        rejected rewards), means over ``pairs`` pairs."""
+        record = {"step": step, "validation/loss": loss, **values, "validation/pairs": pairs}
+        if self.rank == 0:
+            shown = " | ".join(f"{key.removeprefix('dpo/')} {value:.4f}" for key, value in values.items())
+            logger.info(f"validation at step {step}: loss {loss:.4f} | {shown} | {pairs:,} pairs")
+            self._record(record)
+        return record
+
     def log_eval(self, step: int, results: dict[str, float], seconds: float) -> dict:
         """Downstream evaluation at ``step``: ``results`` as {"eval/<task>/<metric>": value}."""
         record = {"step": step, **results}
@@ -148,8 +158,8 @@ class MetricsLogger:
 
     def _write(self, r: dict) -> None:
         parts = [f"step {r['step']:>{len(str(self.total_steps))}}/{self.total_steps}", f"loss {r['loss']:.4f}",
-                 *(f"{key.removeprefix('distill/')} {value:.4f}" for key, value in r.items()
-                   if key.startswith("distill/")),
+                 *(f"{key.partition('/')[2]} {value:.4f}" for key, value in r.items()
+                   if key.startswith(("distill/", "dpo/"))),
                  f"grad_norm {r['grad_norm']:.3f}", f"lr {r['lr']:.2e}",
                  f"tok/s/dev {r['tokens_per_sec_per_device']:,.0f}"]
         parts.append(f"tflop/s/dev {r['tflops_per_device']:.3g}")

@@ -26,6 +26,7 @@ from hybridtitan.data.manifest import check_shards
 from hybridtitan.data.sources import summarize
 from hybridtitan.data.tokenizer import vocabulary_fingerprint
 from hybridtitan.distill import Teacher, check_teacher
+from hybridtitan.dpo import check_reference
 from hybridtitan.errors import ConversionError, first_error_line
 from hybridtitan.float8 import CONVERTER as FLOAT8
 from hybridtitan.float8 import (
@@ -114,12 +115,13 @@ class Plan:
     data: DataPlan
     teacher: Teacher | None  # the distillation teacher, where [distill] names one
     start: StartPlan
+    reference: Teacher | None = None  # DPO's frozen reference, where [dpo] names preference pairs
 
     @property
     def warnings(self) -> tuple[str, ...]:
         """What the run's log says before training, once logging is set up."""
-        teacher = (self.teacher.warning,) if self.teacher is not None and self.teacher.warning else ()
-        return self.data.warnings + teacher + self.model.warnings + self.start.warnings
+        frozen = tuple(m.warning for m in (self.teacher, self.reference) if m is not None and m.warning)
+        return self.data.warnings + frozen + self.model.warnings + self.start.warnings
 
 
 def preflight(cfg: JobConfig) -> Plan:
@@ -128,8 +130,9 @@ def preflight(cfg: JobConfig) -> Plan:
     model = plan_model(cfg, layout)
     data = plan_data(cfg, layout, model.args)
     teacher = check_teacher(cfg, model.args, data.tokenizer)
-    return Plan(layout=layout, model=model, data=data, teacher=teacher,
-                start=plan_start(cfg, model.args, data.tokenizer))
+    start = plan_start(cfg, model.args, data.tokenizer)
+    return Plan(layout=layout, model=model, data=data, teacher=teacher, start=start,
+                reference=check_reference(cfg, model.args, data.tokenizer, start.checkpoint))
 
 
 def plan_layout(cfg: JobConfig) -> Layout:
@@ -169,6 +172,8 @@ def plan_model(cfg: JobConfig, layout: Layout) -> ModelPlan:
 def plan_data(cfg: JobConfig, layout: Layout, args: ModelArgs) -> DataPlan:
     """The tokenizer, the training data's loader and the held-out set, checked against what prepared them."""
     t = cfg.training
+    if cfg.dpo.path:
+        return plan_preference_data(cfg, layout, args)
     tokenizer = None
     needs_tokenizer = cfg.data.source != "mock" or cfg.eval.tasks or (
         cfg.validation.enable and cfg.validation.data.source != "mock")
@@ -197,6 +202,40 @@ def plan_data(cfg: JobConfig, layout: Layout, args: ModelArgs) -> DataPlan:
         check_eval_tasks(cfg)
     return DataPlan(tokenizer=tokenizer, dataloader=dataloader, held_out=held_out, seed=seed,
                     reads=what_the_run_reads(cfg, layout.global_batch), warnings=tuple(warnings))
+
+
+def plan_preference_data(cfg: JobConfig, layout: Layout, args: ModelArgs) -> DataPlan:
+    """DPO's data (hybridtitan.data.preference): every pair read, rendered, tokenized and checked now, the training
+    pairs' loader and the held-out pairs."""
+    from hybridtitan.data.preference import HeldOutPairs, preference_loader, read_pairs
+
+    t, v = cfg.training, cfg.validation
+    seed = DEFAULT_SEED if cfg.debug.seed is None else cfg.debug.seed
+    try:
+        tokenizer = build_tokenizer(cfg.data.tokenizer)
+        pairs = read_pairs(cfg.dpo, tokenizer, max_length=t.seq_len, vocab_size=args.vocab_size)
+        dataloader = preference_loader(pairs, local_batch_size=t.local_batch_size, dp_rank=layout.dp_rank,
+                                       dp_world_size=layout.dp.size, seed=seed)
+        held_out, held = None, None
+        if v.enable:
+            held = read_pairs(cfg.dpo, tokenizer, max_length=v.seq_len or t.seq_len, vocab_size=args.vocab_size,
+                              validation=True)
+            held_out = HeldOutPairs(held, local_batch_size=v.local_batch_size or t.local_batch_size,
+                                    dp_rank=layout.dp_rank, dp_world_size=layout.dp.size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.eval.tasks:
+        check_eval_tasks(cfg)
+    warnings = [f"dpo: {n.truncated:,} of {len(n):,} {what} pairs are longer than {n.max_length} tokens (prompt and "
+                "response): their responses are cut to fit" for n, what in ((pairs, "training"), (held, "held-out"))
+                if n is not None and n.truncated]
+    planned = t.steps * layout.global_batch
+    reads = (f"data: {len(pairs):,} preference pairs from {cfg.dpo.path}"
+             f"{f' ({cfg.dpo.split})' if cfg.dpo.split else ''}, at most {t.seq_len} tokens each; the run reads "
+             f"{planned:,} pairs ({t.steps} steps x {layout.global_batch}): {planned / len(pairs):.2f} epochs"
+             + (f"; {len(held):,} held-out pairs" if held is not None else ""))
+    return DataPlan(tokenizer=tokenizer, dataloader=dataloader, held_out=held_out, seed=seed, reads=reads,
+                    warnings=tuple(warnings))
 
 
 def plan_start(cfg: JobConfig, args: ModelArgs, tokenizer) -> StartPlan:
@@ -235,6 +274,7 @@ def context_parallel_plan(cfg: JobConfig, world_size: int) -> tuple[int, str]:
                               f"each sequence into 2 x {cp} equal chunks")
     for refused, what in ((t.cuda_graphs, "training.cuda_graphs (the graphs replay whole sequences)"),
                           (bool(cfg.distill.teacher), "distillation ([distill] teacher)"),
+                          (bool(cfg.dpo.path), "DPO ([dpo] path)"),
                           (compiles(cfg, "model"), 'torch.compile of the sublayers (compile.components "model")')):
         if refused:
             raise ConfigError(f"{key} {cp}: context parallelism does not run with {what} yet; set one of them off")

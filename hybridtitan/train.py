@@ -43,6 +43,7 @@ from hybridtitan.config_manager import TRAIN_USAGE, compiles, parse_config, sele
 from hybridtitan.data.config import recorded_path
 from hybridtitan.data.loader import IGNORE_INDEX
 from hybridtitan.distill import Distiller, training_flops_per_token
+from hybridtitan.dpo import VALIDATION_PARTS, PreferenceOptimizer, dpo_flops_per_token
 from hybridtitan.errors import DataError, ResumeError, first_error_line
 from hybridtitan.float8 import Float8Conversion, apply_float8, precompute_float8_scales
 from hybridtitan.job_config import JobConfig
@@ -234,7 +235,8 @@ class Trainer:
 
         # the model (and a distillation teacher beside it)
         args = plan.model.args
-        self.flops_per_token = training_flops_per_token(args, t.seq_len, cfg.distill, plan.teacher)
+        self.flops_per_token = training_flops_per_token(args, t.seq_len, cfg.distill, plan.teacher) \
+            if plan.reference is None else dpo_flops_per_token(args, t.seq_len, plan.reference)
         self._describe_run()
         on_gpu = self.device.type == "cuda"
         if not on_gpu and t.mixed_precision_param != "float32":
@@ -253,6 +255,8 @@ class Trainer:
             logger.info(line)
         self.distiller = Distiller(cfg.distill, plan.teacher, self.mesh, self.device, kernels, param_dtype) \
             if plan.teacher is not None else None
+        self.dpo = PreferenceOptimizer(cfg.dpo, plan.reference, self.mesh, self.device, kernels, param_dtype,
+                                       t.loss_chunk_size) if plan.reference is not None else None
         if t.cuda_graphs and cfg.data.document_boundaries:
             logger.warning("training.cuda_graphs: with packed documents (data.document_boundaries) the mixers run "
                            "eagerly; only whole sequences are replayed from CUDA graphs")
@@ -266,6 +270,8 @@ class Trainer:
         self.job_dict["data"]["tokenizer"] = recorded_path(cfg.data.tokenizer)  # export/eval may run elsewhere
         self.job_dict["lr_scheduler"] = dataclasses.asdict(plan.start.lr_scheduler)  # the schedule in force
         self.job_dict.update(run_record.record(cfg.data, plan.data.tokenizer))  # the run record a resume compares
+        if plan.reference is not None:  # the reference in use, a step folder: a resume reads it here (dpo.py)
+            self.job_dict["dpo"]["reference"] = plan.reference.path
         c = cfg.checkpoint
         self.checkpointer = CheckpointManager(
             os.path.join(cfg.job.dump_folder, c.folder), model=self.model, optimizer=self.optimizer,
@@ -296,7 +302,9 @@ class Trainer:
         self.stop = StopRequest()
         self.reports = HostReports(self.device, self.state)
         self.window = LogWindow(self.state.step)
-        self.tokens_per_step_local = t.local_batch_size * t.seq_len * plan.layout.grad_accum
+        # a DPO micro-batch of local_batch_size pairs is twice as many rows
+        rows = t.local_batch_size * (2 if self.dpo is not None else 1)
+        self.tokens_per_step_local = rows * t.seq_len * plan.layout.grad_accum
         self.last_logged: dict = {}
 
     def _describe_run(self) -> None:
@@ -375,7 +383,7 @@ class Trainer:
         row (``rank_part``): the counts and loss sums of its parts add up, over the ranks, to the whole batch's."""
         t, accum = self.cfg.training, self.plan.layout.grad_accum
         batches = [self.rank_part(next(self.batches)) for _ in range(accum)]
-        counted = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches)
+        counted = sum(self.counted(b) for b in batches)
         dist.all_reduce(counted)  # the global batch's
         # FSDP averages the gradients over all its ranks (data and context parallel): each micro-batch's sum over
         # the mean count per micro-batch and rank
@@ -400,9 +408,17 @@ class Trainer:
         self.state.tokens_seen += self.tokens_per_step_local * self.plan.layout.dp.size
         return StepResult(loss_total, grad_norm, applied, lr, counted, parts)
 
+    def counted(self, batch: dict) -> torch.Tensor:
+        """What the loss of a micro-batch is summed over: its counted tokens, or in DPO its pairs."""
+        if self.dpo is not None:
+            return torch.tensor(batch["input_ids"].shape[0] // 2, device=self.device)
+        return (batch["labels"] != IGNORE_INDEX).sum()
+
     def losses(self, batch: dict) -> list[tuple[torch.Tensor, dict]]:
         """(summed loss, {distillation term: summed value}) for each forward of a micro-batch: the cross-entropy,
-        or with a teacher the distillation's losses (hybridtitan.distill)."""
+        with a teacher the distillation's losses (hybridtitan.distill), in DPO the preference loss (hybridtitan.dpo)."""
+        if self.dpo is not None:
+            return self.dpo.losses(self.model, batch)
         if self.distiller is not None:
             return self.distiller.losses(self.model, batch)
         loss_sum, _ = self.model(batch["input_ids"], labels=batch["labels"], cu_seqlens=batch.get("cu_seqlens"),
@@ -452,6 +468,10 @@ class Trainer:
             return
         if step % self.cfg.validation.freq and step != self.cfg.training.steps and not self.reports.stopping:
             return
+        if self.dpo is not None:
+            loss, pairs, values = self.validate_preferences()
+            self.metrics.log_preference_validation(step, loss=loss, pairs=pairs, values=values)
+            return
         loss, tokens, kl = self.validate()
         self.metrics.log_validation(step, loss=loss, tokens=tokens, kl=kl)
 
@@ -486,6 +506,28 @@ class Trainer:
         dist.all_reduce(totals)
         loss_sum, count, kl_sum = totals.tolist()
         return loss_sum / max(count, 1), int(count), kl_sum / max(count, 1) if self.distiller is not None else None
+
+    @torch.no_grad()
+    def validate_preferences(self) -> tuple[float, int, dict[str, float]]:
+        """DPO's held-out pairs: (mean loss, their number, {dpo/accuracy, dpo/margin, dpo/chosen_reward,
+        dpo/rejected_reward: mean over the pairs}), over every rank's shard, the same pairs each time."""
+        steps = self.cfg.validation.steps
+        self.model.eval()
+        totals = torch.zeros(6, dtype=torch.float64, device=self.device)
+        for i, (batch, shard_ended) in enumerate(self.plan.data.held_out.batches()):
+            totals += self.dpo.held_out(self.model, self.to_device(batch))
+            if steps > 0:
+                if i + 1 == steps:
+                    break
+                continue
+            ended = torch.tensor([float(shard_ended)], device=self.device)
+            dist.all_reduce(ended, op=dist.ReduceOp.MAX)  # one pass: until any rank's shard ends
+            if ended.item() > 0:
+                break
+        self.model.train()
+        dist.all_reduce(totals)
+        loss, *values, pairs = totals.tolist()
+        return loss / max(pairs, 1), int(pairs), {k: v / max(pairs, 1) for k, v in zip(VALIDATION_PARTS, values)}
 
     def maybe_save(self, step: int, due: bool) -> None:
         """A checkpoint at a due step (checkpoint.interval, the last) or a stop."""

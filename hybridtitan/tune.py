@@ -50,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# the recipe's model and shapes without its data (tuning runs on mock tokens)
-RECIPE_ONLY = ["--data.source", "mock", "--validation.enable", "false"]
+# the recipe's model and shapes without its data (tuning runs on mock tokens; a DPO recipe's pairs are left out too)
+RECIPE_ONLY = ["--data.source", "mock", "--validation.enable", "false", "--dpo.path", ""]
 
 
 # what tuning changes of the recipe: the step alone, in this process, autotuning every kernel

@@ -38,6 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from hybridtitan.cli import fail as _fail  # noqa: E402
 from hybridtitan.data import manifest  # noqa: E402
+from hybridtitan.data.chat import read_template  # noqa: E402
+from hybridtitan.data.chat import render as render_chat  # noqa: E402
 from hybridtitan.data.config import Data  # noqa: E402
 from hybridtitan.data.megatron import MegatronWriter  # noqa: E402
 from hybridtitan.data.sources import load_hf_dataset  # noqa: E402
@@ -45,8 +47,7 @@ from hybridtitan.data.tokenizer import build_tokenizer, encode_batch, eos_id, vo
 
 BATCH = 1000
 MESSAGES = "messages"  # the column --chat-template renders
-CHAT_TEMPLATES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hybridtitan", "assets",
-                              "chat_templates")
+KEY = "--chat-template"  # how its errors start
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -99,42 +100,13 @@ def held_out(index: int, validation: float) -> bool:
 
 
 def chat_template(spec: str, tok) -> str | None:
-    """The Jinja text of --chat-template ``spec`` (None: the tokenizer's own, which it must have). Raises ValueError
-    in one line if the file cannot be read or does not parse."""
-    if spec == "tokenizer":
-        if not getattr(tok, "chat_template", None):
-            raise ValueError("--chat-template tokenizer: the tokenizer has no chat template "
-                             "(its tokenizer_config.json names none); give zebra or a .jinja file")
-        return None
-    path = os.path.join(CHAT_TEMPLATES, "zebra.jinja") if spec == "zebra" else spec
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--chat-template: cannot read {spec}: {e.strerror or e}") from None
-    import jinja2
-
-    try:
-        jinja2.Environment().parse(text)
-    except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"--chat-template: {spec} is not a valid Jinja template: line {e.lineno}: {e.message}") \
-            from None
-    return text
+    """The Jinja text of --chat-template ``spec`` (hybridtitan.data.chat.read_template)."""
+    return read_template(spec, tok, KEY)
 
 
 def render(tok, template: str | None, messages, row) -> str:
-    """The text of one conversation through the template; ValueError in one line naming the row for messages that
-    are not a list of {role, content} strings, or a template that fails on them."""
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages):
-        raise ValueError(f"--chat-template: row {row}: {MESSAGES!r} must be a non-empty list of "
-                         f"{{\"role\": ..., \"content\": ...}} strings, got {str(messages)[:80]!r}")
-    try:
-        return tok.apply_chat_template(messages, chat_template=template, tokenize=False)
-    except Exception as e:  # noqa: BLE001 -- a template's own error (raise_exception, a missing key): one line
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise ValueError(f"--chat-template: row {row}: the template fails: {type(e).__name__}: {first}") from None
+    """The text of one conversation through the template (hybridtitan.data.chat.render), naming the row."""
+    return render_chat(tok, template, messages, f"row {row}", KEY, MESSAGES)
 
 
 def texts_of(tok, template, field, batch: dict, start: int) -> list[str]:

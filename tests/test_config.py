@@ -259,7 +259,8 @@ def test_upcycling_stages_read_disjoint_slices():
     stage1 = tuple(f"zebra_llama_{size}_ild_{kind}" for size in ("1B", "3B", "8B") for kind in ("mamba2", "mla")) + (
         "hylo_1B_ild_gdn",)
     stage2 = ("zebra_llama_1B_kl", "zebra_llama_3B_kl", "zebra_llama_8B_kl", "hylo_1B_kl_8k", "hylo_1B_kl_64k")
-    assert {p.stem for p in folder.glob("*.toml")} == set(stage1 + stage2)
+    stage3 = ("zebra_llama_1B_dpo",)  # DPO reads preference pairs (dpo.path), not [data]
+    assert {p.stem for p in folder.glob("*.toml")} == set(stage1 + stage2 + stage3)
     data = {name: parse_config(["--job.config_file", str(folder / f"{name}.toml")], check_data=False).data
             for name in stage1 + stage2}
     for name in stage1:
