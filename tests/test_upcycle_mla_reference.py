@@ -203,7 +203,7 @@ def test_an_upcycled_mla_computes_the_attention_it_claims(llama, tmp_path):
         assert (error > 0.1 * bound).all()  # a bound that says something: within 10x of the error
 
 
-def misrotated_rows(head_dim, rope_dims, nope_dims):
+def misrotated_rows(head_dim, rope_dims, nope_dims, last=False):
     """Wrong: each RoPE pair's second row taken from the next pair (rows that never turned together)."""
     rope, nope = right_rope_rows(head_dim, rope_dims, nope_dims)
     half = len(rope) // 2
