@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from hybridtitan.models import get_flavor
 from hybridtitan.upcycle import rope_rows as right_rope_rows
 
 HEADS, KV_HEADS, HEAD_DIM, DIM = 4, 2, 32, 128
@@ -230,3 +231,38 @@ def test_a_wrong_upcycle_fails_the_comparison(llama, tmp_path, monkeypatch, wron
     assert at_ranks > 1e-2
     error, bound = (q_error, q_bound) if wrong == "rope_rows" else (kv_error, kv_bound)
     assert (error > bound).all()
+
+
+def test_the_mlas_rope_under_llama3_scaling_is_as_the_docs_say():
+    """Llama-3.2-1B upcycled (head_dim 64, the MLA's 32 RoPE channels, Llama 3 scaling x32 from 8,192): the MLA's
+    frequencies are transformers' YaRN at that factor; against the Llama's own (transformers' llama3) at the same
+    pairs they agree where a pair turns more than 32 times over the original context or less than once, the Llama
+    keeps and YaRN lowers them between 4 and 32 turns, and both ramps differ between 1 and 4 (docs/upcycling.md)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from hybridtitan.models.flavors import upcycled
+    from hybridtitan.models.mla import mla_inv_freq
+
+    llama = get_flavor("llama_1B")
+    mla = upcycled(llama, [0]).mla
+    assert (mla.rope_scaling_factor, mla.original_max_position_embeddings, mla.qk_rope_head_dim) == (32.0, 8192, 32)
+    common = dict(hidden_size=2048, num_attention_heads=32, max_position_embeddings=131072)
+    theta, original = llama.gqa.rope_theta, 8192
+    llama3 = LlamaConfig(head_dim=64, **common, rope_parameters={
+        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": original, "rope_theta": theta})
+    yarn = LlamaConfig(head_dim=32, **common, rope_parameters={
+        "rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": original, "rope_theta": theta})
+    llama_freq = ROPE_INIT_FUNCTIONS["llama3"](llama3, "cpu")[0][::2].double()  # the pairs the MLA keeps
+    yarn_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](yarn, "cpu")
+    torch.testing.assert_close(mla_inv_freq(mla).double(), yarn_freq.double(), rtol=1e-6, atol=0)
+    assert factor == pytest.approx(1.3466, abs=1e-4)
+    plain = theta ** (-torch.arange(0, 32, 2).double() / 32)
+    turns = original * plain / (2 * math.pi)
+    same = torch.isclose(llama_freq, yarn_freq.double(), rtol=1e-5)
+    assert same[(turns > 32) | (turns < 1)].all()
+    middle = (turns > 4) & (turns < 32)
+    assert middle.any() and torch.allclose(llama_freq[middle], plain[middle])
+    assert (yarn_freq[middle] < plain[middle]).all()
+    assert not same[(turns > 1) & (turns < 4)].any()
