@@ -20,6 +20,8 @@ mixer; embeddings, norms and MLPs are copied. Each new sublayer starts from the 
 * Gated DeltaNet (HyLo): q <- W_Q, k <- W_K and v <- W_V repeated to every head, o_proj <- W_O (the overlapping
   blocks where the sizes differ); gates, beta, convolutions and the output norm fresh.
 
+--init takes the choices of INIT_CHOICES where the papers' code initialises otherwise (amd: Zebra-Llama's).
+
 The output says, per MLA layer, how much of W_Q and of [W_K; W_V] the ranks keep (the singular values discarded) and
 the relative error of each projection as the MLA holds it: W_K's no-RoPE rows, W_V, and the shared RoPE key.
 --attention-from and --mixers-from take those sublayers (with their MLPs) from students already trained by layer
@@ -43,6 +45,34 @@ from hybridtitan.cli import OneLineParser, fail, one_line_errors
 from hybridtitan.errors import ConversionError
 
 MIXERS = ("mamba2", "gdn")
+
+# Initialisations where upcycle differs from the papers' code; --init names those to take the other way (the
+# step-0 KL of each way: docs/upcycling.md). "amd" names the ones AMD's Zebra-Llama code does otherwise.
+INIT_CHOICES = {
+    "mamba2_conv": "Mamba2's convolution weight and bias from nn.Conv1d's default uniform (Zebra-Llama's code), "
+                   "not N(0, init_std) and 0",
+    "mamba2_z_dt": "Mamba2's z and dt rows of in_proj from nn.Linear's default uniform (Zebra-Llama's code), "
+                   "not N(0, init_std)",
+    "mla_rope": "each MLA head's RoPE rows its last qk_rope_head_dim rows and its no-RoPE rows its first "
+                "(Zebra-Llama's code), not whole rotation pairs at the MLA's frequencies",
+    "gdn_paired": "each GDN head's values (and W_O's columns) from the Llama heads its keys come from, the rest "
+                  "fresh, not the overlapping block (head h's values from other heads where the sizes differ)",
+}
+AMD_INIT = ("mamba2_conv", "mamba2_z_dt", "mla_rope")
+
+
+def parse_init(text: str) -> frozenset[str]:
+    """'hybridtitan' (none), 'amd' (AMD_INIT) or comma-separated INIT_CHOICES -> the set taken the other way."""
+    names = {n.strip() for n in text.split(",") if n.strip()}
+    if names == {"hybridtitan"}:
+        return frozenset()
+    if "amd" in names:
+        names = (names - {"amd"}) | set(AMD_INIT)
+    unknown = sorted(names - set(INIT_CHOICES))
+    if unknown or not names:
+        raise ConversionError(f"--init {text!r}: give hybridtitan, amd or comma-separated choices of "
+                              f"{', '.join(INIT_CHOICES)}")
+    return frozenset(names)
 
 
 # ------------------------------------------------------------------------------------------------ linear algebra
@@ -93,17 +123,20 @@ def low_rank(matrix: torch.Tensor, rank: int, name: str) -> tuple[torch.Tensor, 
     return U[:, :rank], S[:rank, None] * Vh[:rank], Kept(name, rank, S.numel(), energy)
 
 
-def rope_rows(head_dim: int, rope_dims: int, nope_dims: int) -> tuple[list[int], list[int]]:
+def rope_rows(head_dim: int, rope_dims: int, nope_dims: int, last: bool = False) -> tuple[list[int], list[int]]:
     """Rows of a Llama head (rotate-half RoPE: row j pairs with j + head_dim / 2 at frequency theta^(-2j/head_dim))
     that become an MLA head's RoPE channels and its no-RoPE channels. The MLA's rope pair i turns at
     theta^(-2i/rope_dims), the Llama's pair j = i * head_dim / rope_dims: those whole pairs, in rotate-half order,
-    are the RoPE rows; the first nope_dims of the rest are the no-RoPE rows."""
+    are the RoPE rows; the first nope_dims of the rest are the no-RoPE rows. ``last`` (--init mla_rope):
+    Zebra-Llama's rows instead, the head's last rope_dims and first nope_dims."""
     if rope_dims % 2 or head_dim % rope_dims:
         raise ConversionError(f"qk_rope_head_dim {rope_dims} must be even and divide the attention's head_dim "
                               f"{head_dim} (its RoPE pairs are taken whole)")
     if rope_dims + nope_dims > head_dim:
         raise ConversionError(f"qk_rope_head_dim + qk_nope_head_dim ({rope_dims} + {nope_dims}) exceed the attention's "
                               f"head_dim {head_dim}")
+    if last:
+        return list(range(head_dim - rope_dims, head_dim)), list(range(nope_dims))
     half, stride = head_dim // 2, head_dim // rope_dims
     pairs = [i * stride for i in range(rope_dims // 2)]
     rope = pairs + [j + half for j in pairs]
@@ -117,14 +150,15 @@ def repeat_heads(w: torch.Tensor, heads: int, head_dim: int, groups: int) -> tor
     return w.view(heads, head_dim, -1).repeat_interleave(groups, dim=0).reshape(heads * groups * head_dim, -1)
 
 
-def mla_from_attention(attn: dict[str, torch.Tensor], gqa, mla) -> tuple[dict[str, torch.Tensor], list[Kept | Fit]]:
+def mla_from_attention(attn: dict[str, torch.Tensor], gqa, mla,
+                       last_rows: bool = False) -> tuple[dict[str, torch.Tensor], list[Kept | Fit]]:
     """MLA weights (our names) from one grouped-query attention's q_proj, k_proj, v_proj, o_proj weights, and what
-    they keep of it."""
+    they keep of it (``last_rows``: rope_rows's)."""
     H, KV, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
     if mla.num_heads != H or mla.v_head_dim != d:
         raise ConversionError(f"an MLA from attention keeps its {H} heads and value dims {d} (got num_heads "
                               f"{mla.num_heads}, v_head_dim {mla.v_head_dim})")
-    rope, nope = rope_rows(d, mla.qk_rope_head_dim, mla.qk_nope_head_dim)
+    rope, nope = rope_rows(d, mla.qk_rope_head_dim, mla.qk_nope_head_dim, last_rows)
     per_head = nope + rope  # an MLA head's query/key channels: [no-RoPE | RoPE]
     out, kept = {}, []
     wq = attn["q_proj.weight"].float()
@@ -155,29 +189,47 @@ def mla_from_attention(attn: dict[str, torch.Tensor], gqa, mla) -> tuple[dict[st
     return out, kept
 
 
+def default_uniform(t: torch.Tensor, fan_in: int) -> torch.Tensor:
+    """U(-1/sqrt(fan_in), 1/sqrt(fan_in)): nn.Linear's and nn.Conv1d's default for weights (kaiming_uniform_ with
+    a = sqrt(5)) and biases."""
+    bound = 1 / math.sqrt(fan_in)
+    return t.uniform_(-bound, bound)
+
+
 def mamba2_from_attention(attn: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor], gqa, m,
-                          dim: int) -> dict[str, torch.Tensor]:
+                          dim: int, init: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     """Mamba2 weights (our names): in_proj's x, B and C rows from W_V, W_K and W_Q, out_proj from W_O; z, dt and
-    everything else from ``fresh`` (the student's own initialisation)."""
+    everything else from ``fresh`` (the student's own initialisation), or, for the ``init`` choices mamba2_z_dt
+    and mamba2_conv, PyTorch's default uniform drawn here."""
     H, KV, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
     inner = dim * m.expand
     if (m.expand, m.head_dim, m.d_state, m.n_groups, m.xb_heads, inner) != (1, d, d, H, KV, H * d):
         raise ConversionError(f"a Mamba2 from attention has one head per attention head: expand 1, head_dim and "
                               f"d_state {d}, n_groups {H}, xb_heads {KV} (got expand {m.expand}, head_dim "
                               f"{m.head_dim}, d_state {m.d_state}, n_groups {m.n_groups}, xb_heads {m.xb_heads})")
-    in_proj = fresh["in_proj.weight"].float().clone()
-    rows = [inner, KV * d, KV * d, H * d]  # z, x, B, C (dt after them)
-    _, x, b, c = in_proj[: sum(rows)].split(rows)
+    out = {k: v.float().clone() for k, v in fresh.items()}
+    in_proj = out["in_proj.weight"]
+    z, x, b, c, dt = in_proj.split([inner, KV * d, KV * d, H * d, in_proj.shape[0] - inner - 2 * KV * d - H * d])
     x.copy_(attn["v_proj.weight"])
     b.copy_(attn["k_proj.weight"])
     c.copy_(attn["q_proj.weight"])
-    return {**{k: v.float() for k, v in fresh.items()}, "in_proj.weight": in_proj,
-            "out_proj.weight": attn["o_proj.weight"].float()}
+    if "mamba2_z_dt" in init:  # (views of in_proj)
+        default_uniform(z, dim)
+        default_uniform(dt, dim)
+    if "mamba2_conv" in init:  # depthwise: fan_in is the kernel width
+        width = out["conv1d.weight"].shape[-1]
+        default_uniform(out["conv1d.weight"], width)
+        default_uniform(out["conv1d.bias"], width)
+    out["out_proj.weight"] = attn["o_proj.weight"].float()
+    return out
 
 
-def gdn_from_attention(attn: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor], gqa) -> dict[str, torch.Tensor]:
+def gdn_from_attention(attn: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor], gqa,
+                       paired=None) -> dict[str, torch.Tensor]:
     """Gated DeltaNet weights (our names): q, k, v and o projections from the attention's (keys and values repeated
-    to every head; the overlapping block where the sizes differ), everything else from ``fresh``."""
+    to every head; the overlapping block where the sizes differ), everything else from ``fresh``. ``paired`` (the
+    GDN's GDNArgs, for --init gdn_paired): each GDN head's values and W_O's columns from the Llama rows its keys
+    come from instead (as many as fit), its other value rows and columns fresh."""
     H, KV, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
     source = {"q_proj.weight": attn["q_proj.weight"],
               "k_proj.weight": repeat_heads(attn["k_proj.weight"], KV, d, H // KV),
@@ -185,8 +237,21 @@ def gdn_from_attention(attn: dict[str, torch.Tensor], fresh: dict[str, torch.Ten
               "o_proj.weight": attn["o_proj.weight"]}
     out = {k: v.float().clone() for k, v in fresh.items()}
     for name, w in source.items():
+        if paired is not None and name in ("v_proj.weight", "o_proj.weight"):
+            continue
         rows, cols = min(w.shape[0], out[name].shape[0]), min(w.shape[1], out[name].shape[1])
         out[name][:rows, :cols] = w[:rows, :cols]
+    if paired is not None:
+        if paired.num_v_heads != paired.num_heads:
+            raise ConversionError(f"--init gdn_paired pairs each GDN head's keys with its values: it needs "
+                                  f"num_v_heads = num_heads (got {paired.num_v_heads} and {paired.num_heads})")
+        K, V = paired.head_dim, paired.head_v_dim
+        v, o = source["v_proj.weight"].float(), source["o_proj.weight"].float()
+        for h in range(paired.num_heads):
+            start = h * K  # the Llama rows of this head's keys
+            n = max(min(K, V, v.shape[0] - start), 0)
+            out["v_proj.weight"][h * V: h * V + n] = v[start: start + n]
+            out["o_proj.weight"][:, h * V: h * V + n] = o[:, start: start + n]
     return out
 
 
@@ -201,10 +266,12 @@ def sublayer_state(state: dict[str, torch.Tensor], index: int, body: str | None 
 
 def upcycle_state(llama, llama_state: dict[str, torch.Tensor], student, fresh: dict[str, torch.Tensor],
                   attention_from: dict[str, torch.Tensor] | None = None,
-                  mixers_from: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], list[str]]:
+                  mixers_from: dict[str, torch.Tensor] | None = None,
+                  init: frozenset[str] = frozenset()) -> tuple[dict[str, torch.Tensor], list[str]]:
     """The student's state from the Llama's (``fresh``: the student's own initialisation, for what attention does
     not give), and a line per layer saying what its new sublayer kept. ``attention_from`` / ``mixers_from``: states
-    of trained students of the same shapes whose MLA / mixer layers (with the MLP after each) are taken whole."""
+    of trained students of the same shapes whose MLA / mixer layers (with the MLP after each) are taken whole.
+    ``init``: the INIT_CHOICES taken the other way."""
     out = {k: v.float() for k, v in llama_state.items() if not k.startswith("layers.")}
     report = []
     for i, kind in enumerate(student.kinds):
@@ -221,19 +288,22 @@ def upcycle_state(llama, llama_state: dict[str, torch.Tensor], student, fresh: d
         out.update({f"layers.{i + 1}.mlp.{k}": v.float() for k, v in sublayer_state(llama_state, i + 1, "mlp").items()})
         attn = sublayer_state(llama_state, i, "attn")
         if kind == "attention":
-            body, kept = mla_from_attention(attn, llama.gqa, student.mla)
+            body, kept = mla_from_attention(attn, llama.gqa, student.mla, "mla_rope" in init)
             report.append(f"layer {i // 2}: MLA: " + "; ".join(map(str, kept)))
             name = "attn"
         elif student.mixer == "mamba2":
             body = mamba2_from_attention(attn, sublayer_state(fresh, i, "mixer"), llama.gqa, student.mamba2,
-                                         student.dim)
+                                         student.dim, init)
             report.append(f"layer {i // 2}: Mamba2: x, B, C and out_proj from W_V, W_K, W_Q and W_O")
             name = "mixer"
         else:
-            body = gdn_from_attention(attn, sublayer_state(fresh, i, "mixer"), llama.gqa)
+            body = gdn_from_attention(attn, sublayer_state(fresh, i, "mixer"), llama.gqa,
+                                      student.gdn if "gdn_paired" in init else None)
             report.append(f"layer {i // 2}: GDN: q, k, v and o projections from the attention's")
             name = "mixer"
         out.update({f"layers.{i}.{name}.{k}": v for k, v in body.items()})
+    if init:
+        report.insert(0, "initialised the other way (--init): " + "; ".join(INIT_CHOICES[n] for n in sorted(init)))
     return out, report
 
 
@@ -320,16 +390,32 @@ def read_student(path: str, args, what: str) -> dict[str, torch.Tensor]:
     return state
 
 
+def upcycled_model(llama, llama_state: dict[str, torch.Tensor], args, seed: int = 0, init: frozenset[str] = frozenset(),
+                   attention_from: dict[str, torch.Tensor] | None = None,
+                   mixers_from: dict[str, torch.Tensor] | None = None):
+    """(the student HybridLM on the CPU, the report): its fresh parameters drawn with ``seed``, the rest from the
+    Llama (upcycle_state)."""
+    from hybridtitan.models import build_model
+
+    torch.manual_seed(seed)
+    student = build_model(args, "cpu")
+    student.init_weights()
+    state, report = upcycle_state(llama, llama_state, args, student.state_dict(), attention_from, mixers_from, init)
+    student.load_state_dict(state, strict=True)
+    return student, report
+
+
 def upcycle(model: str, output: str, *, mixer: str = "mamba2", attention_layers: str = "none",
             tokenizer: str | None = None, overwrite: bool = False, attention_from: str | None = None,
-            mixers_from: str | None = None, seed: int = 0, **ranks) -> tuple[object, list[str]]:
-    """Writes the step folder ``output`` (model-only DCP, tokenizer inside) upcycled from ``model``; returns the
-    student's ModelArgs and the report. ConversionError / CheckpointError (one line) before anything is written."""
+            mixers_from: str | None = None, seed: int = 0, init: str = "hybridtitan",
+            **ranks) -> tuple[object, list[str]]:
+    """Writes the step folder ``output`` (model-only DCP, tokenizer inside) upcycled from ``model`` (``init``: as
+    --init); returns the student's ModelArgs and the report. ConversionError / CheckpointError (one line) before
+    anything is written."""
     from hybridtitan.hf.convert import load_tokenizer, output_problem
     from hybridtitan.import_hf import write_step_folder
     from hybridtitan.model_folder import read_folder
     from hybridtitan.model_loader import read_model
-    from hybridtitan.models import build_model
 
     output = os.path.normpath(output)
     problem = output_problem(output, overwrite, "import")
@@ -340,16 +426,13 @@ def upcycle(model: str, output: str, *, mixer: str = "mamba2", attention_layers:
         raise ConversionError(f"{model} is not a Llama (grouped-query attention and MLPs, '*-' per layer): its "
                               f"pattern is {llama.pattern!r}")
     layers = parse_layers(attention_layers, llama.n_layers // 2)
+    choices = parse_init(init)
     args = student_args(llama, layers, mixer, **ranks)
     tok_path = tokenizer or read_folder(model).tokenizer
     tok = load_tokenizer(tok_path, args.vocab_size) if tok_path else None
     trained_attention = read_student(attention_from, args, "--attention-from") if attention_from else None
     trained_mixers = read_student(mixers_from, args, "--mixers-from") if mixers_from else None
-    torch.manual_seed(seed)
-    student = build_model(args, "cpu")
-    student.init_weights()
-    state, report = upcycle_state(llama, llama_state, args, student.state_dict(), trained_attention, trained_mixers)
-    student.load_state_dict(state, strict=True)
+    student, report = upcycled_model(llama, llama_state, args, seed, choices, trained_attention, trained_mixers)
     write_step_folder(student, output, tok)
     return args, report
 
@@ -426,6 +509,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take the mixer layers from this trained all-mixer student")
     p.add_argument("--tokenizer", default=None, help="tokenizer to save with it (default: the model's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the fresh parameters (gates, convolutions)")
+    p.add_argument("--init", default="hybridtitan",
+                   help="hybridtitan (default), amd (" + ", ".join(AMD_INIT) + ": Zebra-Llama's code) or "
+                        "comma-separated choices to initialise the other way: "
+                        + "; ".join(f"{k}: {v}" for k, v in INIT_CHOICES.items()))
     p.add_argument("--overwrite", action="store_true", help="replace an earlier upcycled or imported step folder")
     _rank_options(p)
     return p
@@ -520,7 +607,7 @@ def main(argv: list[str] | None = None) -> None:
     with one_line_errors():
         args, report = upcycle(a.model, a.output, mixer=a.mixer, attention_layers=a.attention_layers,
                                tokenizer=a.tokenizer, overwrite=a.overwrite, attention_from=a.attention_from,
-                               mixers_from=a.mixers_from, seed=a.seed, **_ranks(a))
+                               mixers_from=a.mixers_from, seed=a.seed, init=a.init, **_ranks(a))
     for line in report:
         print(line)
     print(f"upcycled {a.model} into {a.output}: pattern {args.pattern} ({args.mixer})")
