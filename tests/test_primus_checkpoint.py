@@ -320,6 +320,18 @@ def write_primus(model, run: Path, iteration: int = 20, fmt: str = "torch", tp: 
     return folder
 
 
+def write_example_run(run: Path):
+    """The run docs/primus.md's block imports (tests/test_docs.py writes it first): the debug_hybrid recipe's model
+    saved as Primus's TE hybrid spec saves it, over 2 pipeline stages. Returns the model."""
+    from hybridtitan.models import get_flavor
+
+    torch.manual_seed(0)
+    model = build_model(get_flavor("debug_hybrid"), "cpu")
+    model.init_weights()
+    write_primus(model.eval(), run, pp=2)
+    return model
+
+
 # ------------------------------------------------------------------------------------------ the tests
 
 
