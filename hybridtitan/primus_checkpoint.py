@@ -55,12 +55,12 @@ sqrt((a² + ε) / ε) and the norm's weight is a·b / sqrt(a² + ε), a and b th
 same; the parametrization is not (those rows are about |a| / sqrt(ε) times larger), so AdamW moves them
 relatively less than Primus's run would.
 
-What cannot be reproduced exactly is refused in one line, nothing written: a LayerNorm model, linear biases (any
-tensor the mapping does not use), a Mamba2 sublayer without a pre-norm (Primus's no-TE Mamba spec: hybridtitan
-normalises the input of every sublayer), a sublayer's input normalised twice (a pre-norm and a fused one), MoE or
-other layer types, virtual pipeline stages, Megatron's torch_dist format. The weights
-are the model's own, in the dtype training kept them in (bfloat16 under ``bf16``), not the optimizer's float32
-master copy.
+What cannot be reproduced exactly is refused in one line, nothing written: a LayerNorm model, zero-centred norm
+weights (``apply_layernorm_1p``), linear biases (any tensor the mapping does not use), a Mamba2 sublayer without a
+pre-norm (Primus's no-TE Mamba spec: hybridtitan normalises the input of every sublayer), a sublayer's input
+normalised twice (a pre-norm and a fused one), MoE or other layer types, virtual pipeline stages, Megatron's
+torch_dist format. The weights are the model's own, with the values training kept (bfloat16 under ``bf16``), not
+the optimizer's float32 master copy.
 
 Optimizer state does not carry over: Megatron's (distributed) optimizer shards its moments and master weights
 its own way (``distrib_optim.pt``, or the optimizer entries of the DCP files), which no hybridtitan optimizer
@@ -435,6 +435,9 @@ def model_args_from_megatron(args, src: RankTensors) -> ModelArgs:
     if getattr(args, "normalization", "RMSNorm") != "RMSNorm":
         raise ConversionError(f"args.normalization is {args.normalization!r}: hybridtitan's sublayers use RMSNorm, "
                               "so this model cannot be imported unchanged")
+    if getattr(args, "apply_layernorm_1p", False):  # norms computing x·(1 + w), which ours do not
+        raise ConversionError("args.apply_layernorm_1p is true (zero-centred norm weights): hybridtitan's RMSNorms "
+                              "scale by the weight itself")
     if getattr(args, "swiglu", True) is False:
         raise ConversionError("args.swiglu is false: hybridtitan's MLPs are SwiGLU")
     pattern = _pattern(args)

@@ -563,6 +563,10 @@ def test_bad_checkpoints_refused(tmp_path, capsys):
                    "imply (192, 64)")
     # what the model cannot reproduce: LayerNorm, a bias, a Mamba2 sublayer without a pre-norm, a doubly normed latent
     expect_refusal(capsys, run_with(args=megatron_args(a, normalization="LayerNorm")), out, "normalization is")
+    expect_refusal(capsys, run_with(args=megatron_args(a, apply_layernorm_1p=True)), out, "apply_layernorm_1p is true")
+    # a layer the pattern has and the tensors do not (a checkpoint cut short)
+    state = {k: v for k, v in megatron_state(model).items() if not k.startswith("decoder.layers.3.")}
+    expect_refusal(capsys, run_with(state=state), out, "has no tensors of decoder.layers.3")
     state = megatron_state(model)
     state["decoder.layers.1.mlp.linear_fc2.bias"] = torch.zeros(a.dim)
     expect_refusal(capsys, run_with(state=state), out, "tensor decoder.layers.1.mlp.linear_fc2.bias")
