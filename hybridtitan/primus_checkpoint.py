@@ -7,10 +7,12 @@ does not carry over.
 highest ``iter_N``) or one ``iter_N`` folder, in either of the formats Primus saves:
 
 * ``torch``: ``iter_N/mp_rank_XX/model_optim_rng.pt``, a torch.save dict with ``model`` (the state dict),
-  ``args`` (Megatron's argparse Namespace) and ``iteration``. Several tensor-parallel ranks (mp_rank_00,
-  mp_rank_01, ...) are merged: column-parallel weights (and the vocabulary of the embedding and output layer) along
-  their rows, row-parallel ones along their columns, fused projections block by block (each rank holds its share
-  of every block of ``[z | x | B | C | dt]``, of ``[gate; up]``, ...), replicated ones taken once.
+  ``args`` (Megatron's argparse Namespace) and ``iteration``. Pipeline stages (``mp_rank_XX_YYY``, stage YYY) are
+  joined in order, each stage's layers (numbered from 0 on each) after the previous stages'. Several
+  tensor-parallel ranks (mp_rank_00, mp_rank_01, ...) are merged: column-parallel weights (and the vocabulary of
+  the embedding and output layer) along their rows, row-parallel ones along their columns, fused projections
+  block by block (each rank holds its share of every block of ``[z | x | B | C | dt]``, of ``[gate; up]``, ...),
+  replicated ones taken once.
 * ``fsdp_dtensor``: DCP files (``.metadata``, ``__R_0.distcp``) with the model under ``model.module.``, the SwiGLU
   ``linear_fc1.weight`` saved as its two halves ``weight_w`` (gate) and ``weight_v`` (up), ``args`` a pickled item.
 
@@ -34,9 +36,9 @@ The model's arguments come from ``args``: the pattern (``hybrid_override_pattern
                                             -> mixer.{q,k,v,g,b,a}_proj, {q,k,v}_conv1d, A_log, dt_bias, o_norm, o_proj
     KDA     mixer.in_proj [q|k|v|f_a|g_a|beta], f_b_proj, g_b_proj, conv1d [q|k|v], A_log [1,1,H,1], dt_bias,
             out_norm, out_proj              -> mixer.{q,k,v}_proj, f_proj.{0,1}, g_proj.{0,1}, b_proj, ... (A_log [H])
-    MLA     self_attention.linear_q_down_proj, q_layernorm (or linear_q_up_proj.layer_norm_weight),
-            linear_q_up_proj (or linear_q_proj), linear_kv_down_proj [c_kv | k_rope], kv_layernorm (or
-            linear_kv_up_proj.layer_norm_weight), linear_kv_up_proj, linear_proj
+    MLA     self_attention.linear_q_down_proj, q_layernorm and/or linear_q_up_proj.layer_norm_weight,
+            linear_q_up_proj (or linear_q_proj), linear_kv_down_proj [c_kv | k_rope], kv_layernorm and/or
+            linear_kv_up_proj.layer_norm_weight, linear_kv_up_proj, linear_proj
                                             -> attn.q_down_proj, q_norm, q_up_proj (q_proj), kv_down_proj, kv_norm,
                                                kv_up_proj, o_proj
     MLP     mlp.linear_fc1 [gate; up], linear_fc2 -> mlp.gate_proj, up_proj, down_proj
@@ -46,12 +48,19 @@ hybridtitan rotates channel i with i + d/2, so the RoPE rows of the query projec
 RoPE key are reordered (even channels first, then odd): the attention scores are unchanged. ``_extra_state``
 entries carry no weights, and KDA's ``gate_norm``, which Primus builds but never applies, is left out.
 
-What cannot be reproduced exactly is refused in one line, nothing written: a LayerNorm model, linear biases (any
-tensor the mapping does not use), a Mamba2 sublayer without a pre-norm (Primus's no-TE Mamba spec: hybridtitan
-normalises the input of every sublayer), an MLA latent normalised twice (both ``q_layernorm`` and
-``linear_q_up_proj.layer_norm_weight``), MoE or other layer types, pipeline-parallel checkpoints. The weights
-are the model's own, in the dtype training kept them in (bfloat16 under ``bf16``), not the optimizer's float32
-master copy.
+Primus's TE hybrid specs (Zebra-Llama's ``hybrid_stack_spec``, ``gdn_hybrid_stack_spec``, ``kda_hybrid_stack_spec``)
+normalise each MLA latent twice: q_layernorm, then the norm fused into linear_q_up_proj (likewise kv). The two
+become hybridtitan's one norm exactly (``_latent_norm``): the latent's rows of the down projection are scaled by
+sqrt((a² + ε) / ε) and the norm's weight is a·b / sqrt(a² + ε), a and b the two norms' weights. The function is the
+same; the parametrization is not (those rows are about |a| / sqrt(ε) times larger), so AdamW moves them
+relatively less than Primus's run would.
+
+What cannot be reproduced exactly is refused in one line, nothing written: a LayerNorm model, zero-centred norm
+weights (``apply_layernorm_1p``), linear biases (any tensor the mapping does not use), a Mamba2 sublayer without a
+pre-norm (Primus's no-TE Mamba spec: hybridtitan normalises the input of every sublayer), a sublayer's input
+normalised twice (a pre-norm and a fused one), MoE or other layer types, virtual pipeline stages, Megatron's
+torch_dist format. The weights are the model's own, with the values training kept (bfloat16 under ``bf16``), not
+the optimizer's float32 master copy.
 
 Optimizer state does not carry over: Megatron's (distributed) optimizer shards its moments and master weights
 its own way (``distrib_optim.pt``, or the optimizer entries of the DCP files), which no hybridtitan optimizer
@@ -76,8 +85,11 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 TORCH_FILE = "model_optim_rng.pt"
 ITER_RE = re.compile(r"^iter_(\d+)$")
 RANK_RE = re.compile(r"^mp_rank_(\d+)$")
-PIPELINE_RANK_RE = re.compile(r"^mp_rank_\d+_\d+$")
+PIPELINE_RANK_RE = re.compile(r"^mp_rank_(\d+)_(\d+)$")
+LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
 FSDP_PREFIX = "model.module."
+TORCH_DIST = ("Megatron's torch_dist format, which is not read: convert it to the torch format with Megatron's "
+              "--ckpt-convert-format torch --ckpt-convert-save DIR (docs/primus.md)")
 
 # Megatron's enums that its checkpoints hold (args.model_type, args.attention_backend, the rerun state machine's
 # mode, ...), recorded by value: Megatron need not be installed to read its checkpoints.
@@ -195,30 +207,66 @@ def find_iteration(path: str) -> tuple[str, int | None]:
 # ------------------------------------------------------------------------------------------ reading the tensors
 
 
-def read_torch_format(folder: str) -> tuple[argparse.Namespace | None, list[dict[str, torch.Tensor]], object]:
-    """(args, the model state of each tensor-parallel rank, iteration) of an iter_N folder in the torch format."""
+def _torch_file(folder: str, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    path = os.path.join(folder, name, TORCH_FILE)
+    if not os.path.isfile(path):
+        raise ConversionError(f"{path} is missing")
+    ckpt = safe_load(path, path)
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict):
+        raise ConversionError(f"{path} holds no 'model' state dict: not a Megatron checkpoint of one model "
+                              "(virtual pipeline stages, model0/model1, are not read)")
+    return ckpt, {k: v for k, v in ckpt["model"].items() if not k.endswith("_extra_state")}
+
+
+def _join_stages(stages: list[dict[str, torch.Tensor]], folder: str, tp: int) -> dict[str, torch.Tensor]:
+    """One tensor-parallel rank's state from its pipeline stages: each stage numbers its decoder layers from 0
+    (Megatron's torch format), so stage s's layers follow those of the stages before it."""
+    state: dict[str, torch.Tensor] = {}
+    offset = 0
+    for pp, local in enumerate(stages):
+        layers = sorted({int(m.group(1)) for k in local if (m := LAYER_RE.match(k))})
+        if layers != list(range(len(layers))):
+            raise ConversionError(f"{folder}/mp_rank_{tp:02d}_{pp:03d}: its decoder layers {layers[:4]}... are not "
+                                  "numbered from 0 without a gap, as a pipeline stage's are")
+        for k, v in local.items():
+            m = LAYER_RE.match(k)
+            name = f"decoder.layers.{int(m.group(1)) + offset}.{k[m.end():]}" if m else k
+            if name in state:
+                raise ConversionError(f"{folder}: {name} is held by two pipeline stages (the second "
+                                      f"mp_rank_{tp:02d}_{pp:03d})")
+            state[name] = v
+        offset += len(layers)
+    return state
+
+
+def read_torch_format(folder: str) -> tuple[argparse.Namespace | None, list[dict[str, torch.Tensor]], object, int]:
+    """(args, the model state of each tensor-parallel rank, iteration, pipeline stages) of an iter_N folder in the
+    torch format: mp_rank_XX (tensor-parallel rank XX), or mp_rank_XX_YYY (and pipeline stage YYY)."""
     names = sorted(os.listdir(folder))
-    if any(PIPELINE_RANK_RE.match(n) for n in names):
-        raise ConversionError(f"{folder} holds pipeline-parallel ranks (mp_rank_XX_YYY): only checkpoints of "
-                              "pipeline_model_parallel_size 1 are read")
-    ranks = sorted((int(m.group(1)), n) for n in names if (m := RANK_RE.match(n)))
-    if [r for r, _ in ranks] != list(range(len(ranks))):
-        raise ConversionError(f"{folder}: the tensor-parallel ranks {', '.join(n for _, n in ranks)} are not "
-                              "mp_rank_00 to mp_rank_N without a gap")
+    plain = sorted((int(m.group(1)), 0, n) for n in names if (m := RANK_RE.match(n)))
+    staged = sorted((int(m.group(1)), int(m.group(2)), n) for n in names if (m := PIPELINE_RANK_RE.match(n)))
+    if plain and staged:
+        raise ConversionError(f"{folder} holds both {plain[0][2]} and {staged[0][2]}: the ranks of one run are "
+                              "all mp_rank_XX or all mp_rank_XX_YYY")
+    ranks = plain or staged
+    tps = sorted({t for t, _, _ in ranks})
+    pps = sorted({p for _, p, _ in ranks})
+    grid = {(t, p) for t, p, _ in ranks}
+    if tps != list(range(len(tps))) or pps != list(range(len(pps))) or len(grid) != len(tps) * len(pps):
+        raise ConversionError(f"{folder}: the ranks {', '.join(n for _, _, n in ranks)} are not every tensor-"
+                              "parallel rank (mp_rank_00 ...) of every pipeline stage (_000 ...) without a gap")
+    by_rank = {(t, p): n for t, p, n in ranks}
     states, args, iteration = [], None, None
-    for r, name in ranks:
-        path = os.path.join(folder, name, TORCH_FILE)
-        if not os.path.isfile(path):
-            raise ConversionError(f"{path} is missing")
-        ckpt = safe_load(path, path)
-        if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict):
-            raise ConversionError(f"{path} holds no 'model' state dict: not a Megatron checkpoint of one model "
-                                  "(virtual pipeline stages, model0/model1, are not read)")
-        if r == 0:
-            args, iteration = ckpt.get("args"), ckpt.get("iteration")
-        states.append({k: v for k, v in ckpt["model"].items() if not k.endswith("_extra_state")})
-        del ckpt
-    return args, states, iteration
+    for t in tps:
+        stages = []
+        for p in pps:
+            ckpt, local = _torch_file(folder, by_rank[t, p])
+            if (t, p) == (0, 0):
+                args, iteration = ckpt.get("args"), ckpt.get("iteration")
+            stages.append(local)
+            del ckpt
+        states.append(_join_stages(stages, folder, t) if staged else stages[0])
+    return args, states, iteration, len(pps)
 
 
 class RawBytesPlanner(DefaultLoadPlanner):
@@ -248,7 +296,7 @@ def read_fsdp_dtensor(folder: str) -> tuple[argparse.Namespace | None, list[dict
              if k.startswith(FSDP_PREFIX) and isinstance(v, TensorStorageMetadata) and not k.endswith("_extra_state")}
     if not state:
         raise ConversionError(f"{folder} holds DCP files but no model tensors under '{FSDP_PREFIX}': not a Primus "
-                              "fsdp_dtensor checkpoint (Megatron's torch_dist format is not read)")
+                              f"fsdp_dtensor checkpoint; if it is {TORCH_DIST}")
     wanted = {**state, **{k: None for k in ("args", "iteration") if isinstance(items.get(k), BytesStorageMetadata)}}
     planner = RawBytesPlanner()
     try:
@@ -387,11 +435,11 @@ def model_args_from_megatron(args, src: RankTensors) -> ModelArgs:
     if getattr(args, "normalization", "RMSNorm") != "RMSNorm":
         raise ConversionError(f"args.normalization is {args.normalization!r}: hybridtitan's sublayers use RMSNorm, "
                               "so this model cannot be imported unchanged")
+    if getattr(args, "apply_layernorm_1p", False):  # norms computing x·(1 + w), which ours do not
+        raise ConversionError("args.apply_layernorm_1p is true (zero-centred norm weights): hybridtitan's RMSNorms "
+                              "scale by the weight itself")
     if getattr(args, "swiglu", True) is False:
         raise ConversionError("args.swiglu is false: hybridtitan's MLPs are SwiGLU")
-    if int(_arg(args, "pipeline_model_parallel_size", 1)) > 1:
-        raise ConversionError("args.pipeline_model_parallel_size > 1: only checkpoints without pipeline "
-                              "parallelism are read")
     pattern = _pattern(args)
     n_layers = int(_arg(args, "num_layers", len(pattern)))
     if len(pattern) != n_layers:
@@ -545,27 +593,47 @@ def state_from_megatron(a: ModelArgs, src: RankTensors) -> dict[str, torch.Tenso
     return state
 
 
+def _latent_norm(src: RankTensors, sa: str, first: str, rank: int, eps: float,
+                 what: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the latent's RMSNorm weight, the factor each latent row of the down projection is multiplied by, or None).
+
+    Primus's TE specs normalise a latent twice: ``first`` (q_layernorm / kv_layernorm, weight a), then the norm
+    fused into the up projection (weight b), both with eps. For a latent x that is x·a·b / sqrt(mean(x²(a²+ε)) + ε²),
+    which one RMSNorm of eps computes exactly from the down projection's rows scaled by sqrt((a²+ε)/ε), with weight
+    a·b / sqrt(a²+ε)."""
+    fused = f"{sa}linear_{first.split('_')[0]}_up_proj.layer_norm_weight"
+    own = sa + first + ".weight"
+    if own in src and fused in src:
+        a, b = src.take(own, (rank,)).float(), src.take(fused, (rank,)).float()
+        root = (a.square() + eps).sqrt()
+        return a * b / root, root / eps ** 0.5
+    return _one_of(src, [own, fused], (rank,), what), None
+
+
 def _mla(a: ModelArgs, src: RankTensors, p: str, q: str) -> dict[str, torch.Tensor]:
     m, D = a.mla, a.dim
     H, qk = m.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim
     out = {}
     sa = p + "self_attention."
     if m.q_lora_rank > 0:
-        out[q + "q_down_proj.weight"] = src.take(sa + "linear_q_down_proj.weight", (m.q_lora_rank, D), 0)
+        down = src.take(sa + "linear_q_down_proj.weight", (m.q_lora_rank, D), 0)
         if m.latent_norm:
-            out[q + "q_norm.weight"] = _one_of(src, [sa + "q_layernorm.weight",
-                                                     sa + "linear_q_up_proj.layer_norm_weight"],
-                                               (m.q_lora_rank,), f"{sa}'s query latent norm")
+            out[q + "q_norm.weight"], scale = _latent_norm(src, sa, "q_layernorm", m.q_lora_rank, a.norm_eps,
+                                                           f"{sa}'s query latent norm")
+            down = down if scale is None else down.float() * scale[:, None]
+        out[q + "q_down_proj.weight"] = down
         w, name = src.take(sa + "linear_q_up_proj.weight", (H * qk, m.q_lora_rank), 0), "q_up_proj"
     else:
         w, name = src.take(sa + "linear_q_proj.weight", (H * qk, D), 0), "q_proj"
     out[q + name + ".weight"] = rope_rows_to_ours(w.view(H, qk, -1), m.qk_rope_head_dim).reshape(H * qk, -1)
     kv_down = src.take(sa + "linear_kv_down_proj.weight", (m.kv_lora_rank + m.qk_rope_head_dim, D), 0)
-    out[q + "kv_down_proj.weight"] = rope_rows_to_ours(kv_down, m.qk_rope_head_dim)
     if m.latent_norm:
-        out[q + "kv_norm.weight"] = _one_of(src, [sa + "kv_layernorm.weight",
-                                                  sa + "linear_kv_up_proj.layer_norm_weight"],
-                                            (m.kv_lora_rank,), f"{sa}'s key/value latent norm")
+        out[q + "kv_norm.weight"], scale = _latent_norm(src, sa, "kv_layernorm", m.kv_lora_rank, a.norm_eps,
+                                                        f"{sa}'s key/value latent norm")
+        if scale is not None:  # the latent's rows only, not the shared RoPE key's
+            kv_down = torch.cat([kv_down[: m.kv_lora_rank].float() * scale[:, None],
+                                 kv_down[m.kv_lora_rank:].float()])
+    out[q + "kv_down_proj.weight"] = rope_rows_to_ours(kv_down, m.qk_rope_head_dim)
     out[q + "kv_up_proj.weight"] = src.take(sa + "linear_kv_up_proj.weight",
                                             (H * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank), 0)
     out[q + "o_proj.weight"] = src.take(sa + "linear_proj.weight", (D, H * m.v_head_dim), 1)
@@ -634,15 +702,29 @@ def _kda(a: ModelArgs, src: RankTensors, p: str, q: str) -> dict[str, torch.Tens
 # ------------------------------------------------------------------------------------------ the whole import
 
 
+def _sharded_backend(folder: str) -> str | None:
+    """The backend Megatron's dist-checkpoint metadata.json names (torch_dist), or None."""
+    import json
+
+    try:
+        with open(os.path.join(folder, "metadata.json")) as f:
+            backend = json.load(f).get("sharded_backend")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return backend if isinstance(backend, str) else None
+
+
 def read_primus_checkpoint(path: str) -> tuple[ModelArgs, dict[str, torch.Tensor], str, argparse.Namespace]:
     """(ModelArgs, HybridLM's state dict, a description of what was read, Megatron's args) of a Primus run folder
     or iter_N folder, either format."""
     folder, number = find_iteration(path)
     names = os.listdir(folder)
     if any(RANK_RE.match(n) or PIPELINE_RANK_RE.match(n) for n in names):
-        fmt, (args, states, iteration) = "torch", read_torch_format(folder)
+        fmt, (args, states, iteration, stages) = "torch", read_torch_format(folder)
+    elif _sharded_backend(folder) == "torch_dist":
+        raise ConversionError(f"{folder} is in {TORCH_DIST}")
     elif ".metadata" in names:
-        fmt, (args, states, iteration) = "fsdp_dtensor", read_fsdp_dtensor(folder)
+        (args, states, iteration), fmt, stages = read_fsdp_dtensor(folder), "fsdp_dtensor", 1
     else:
         raise ConversionError(f"{folder} holds neither mp_rank_XX folders (the torch format) nor DCP files (the "
                               "fsdp_dtensor format)")
@@ -650,6 +732,10 @@ def read_primus_checkpoint(path: str) -> tuple[ModelArgs, dict[str, torch.Tensor
         raise ConversionError(f"{folder} holds no args (Megatron's arguments), which the model's shape is read from")
     if not isinstance(args, argparse.Namespace):
         raise ConversionError(f"{folder}: args is a {type(args).__name__}, not Megatron's argparse Namespace")
+    pp = int(_arg(args, "pipeline_model_parallel_size", 1))
+    if pp != stages:
+        raise ConversionError(f"{folder} holds {stages} pipeline stage{'s' if stages > 1 else ''}, but args say "
+                              f"pipeline_model_parallel_size {pp}")
     src = RankTensors(states, folder)
     if src.tp > 1 and int(_arg(args, "tensor_model_parallel_size", src.tp)) != src.tp:
         raise ConversionError(f"{folder} holds {src.tp} tensor-parallel ranks, but args say "
@@ -666,6 +752,7 @@ def read_primus_checkpoint(path: str) -> tuple[ModelArgs, dict[str, torch.Tensor
     state = state_from_megatron(model_args, src)
     it = iteration if isinstance(iteration, int) else number
     ranks = f", {src.tp} tensor-parallel ranks merged" if src.tp > 1 else ""
+    ranks += f", {stages} pipeline stages joined" if stages > 1 else ""
     return model_args, state, f"Primus {fmt} format, iteration {it}{ranks}; model only", args
 
 

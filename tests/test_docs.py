@@ -1,6 +1,6 @@
-"""The docs' commands run as written: every fenced shell block of README.md, docs/getting-started.md and
-docs/data.md, in order, in one shell per page, in a copy of the repository (its .venv linked in), with fewer
-training steps."""
+"""The docs' commands run as written: every fenced shell block of README.md, docs/getting-started.md, docs/data.md
+and docs/primus.md, in order, in one shell per page, in a copy of the repository (its .venv linked in), with fewer
+training steps; for docs/primus.md, a Primus run's checkpoint written first where its block reads one."""
 
 from __future__ import annotations
 
@@ -50,8 +50,12 @@ def checkout(tmp_path) -> Path:
     return copy
 
 
-@pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md", "docs/data.md"])
+@pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md", "docs/data.md", "docs/primus.md"])
 def test_shell_blocks_run(checkout, page):
+    if page == "docs/primus.md":
+        from test_primus_checkpoint import write_example_run
+
+        write_example_run(checkout / "outputs" / "primus" / "checkpoints")
     blocks = shell_blocks(REPO / page)
     assert blocks, f"{page} has no shell block"
     script = "set -euo pipefail\n" + "\n".join(tiny(b) for b in blocks)
@@ -66,6 +70,10 @@ def test_shell_blocks_run(checkout, page):
         assert (checkout / "outputs" / "data" / "corpus.manifest.json").is_file()
         assert "local batch 4, gradient accumulation 1: OK" in proc.stdout, proc.stdout[-2000:]
         assert "tokens; the run reads" in proc.stdout + proc.stderr
+    elif page == "docs/primus.md":  # the recipe written and planned, the checkpoint imported and trained from
+        assert (checkout / "zebra_llama_1B.toml").is_file()
+        assert "Primus torch format, iteration 20, 2 pipeline stages joined; model only" in proc.stdout
+        assert "step-0" in proc.stdout + proc.stderr and (checkout / "outputs" / "primus_ft" / "checkpoint").is_dir()
     else:
         assert (checkout / "outputs" / "first-hf" / "config.json").is_file()
         assert "resumed from" in proc.stdout and "error: unknown option --training.stpes" in proc.stderr

@@ -119,9 +119,36 @@ def interleave_rope(w: torch.Tensor, rope: int) -> torch.Tensor:
     return torch.cat([head, out], dim=-2)
 
 
-def megatron_state(model, te: bool = True) -> dict[str, torch.Tensor]:
-    """The model's weights under Megatron's names and layouts: ``te`` fuses each pre-norm into the projection after it
-    (Transformer Engine's layer_norm_weight), else separate norms (Primus's no-TE specs)."""
+def twice_normed(down: torch.Tensor, norm: torch.Tensor, eps: float) -> tuple[torch.Tensor, ...]:
+    """Primus's TE layout of one latent that hybridtitan normalises once (down projection rows, RMSNorm weight):
+    the down projection, q_layernorm's weight a and the fused norm's weight b that Megatron's two norms in a row
+    compute the same from. Stated from Megatron's side; checked by megatron_latent (test_twice_normed_latent)."""
+    a = (0.5 + torch.rand(norm.shape, generator=torch.Generator().manual_seed(3))) * torch.tensor([1.0, -1.0]).repeat(
+        norm.numel() // 2)
+    root = (a.square() + eps).sqrt()
+    return down * (eps ** 0.5 / root)[:, None], a, norm * root / a
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * w
+
+
+def megatron_latent(h, down, first, fused, eps):
+    """What Megatron's MLA computes of a latent under Primus's TE specs: q_layernorm (a TENorm), then the norm fused
+    into linear_q_up_proj (TELayerNormColumnParallelLinear); likewise kv_layernorm and linear_kv_up_proj's."""
+    return rms(rms(h @ down.T, first, eps), fused, eps)
+
+
+LAYOUTS = ("te", "te_fused", "no_te")
+
+
+def megatron_state(model, layout: str = "te") -> dict[str, torch.Tensor]:
+    """The model's weights under Megatron's names and layouts of Primus's specs: "te" (its TE hybrid specs at
+    fd1eeabb: pre-norms fused into the projection after them as Transformer Engine's layer_norm_weight, each MLA
+    latent normalised twice, by q_layernorm / kv_layernorm and by the norm fused into the up projection),
+    "te_fused" (its earlier TE spec's MLA: the fused norm alone) or "no_te" (separate norms)."""
+    assert layout in LAYOUTS
+    te = layout != "no_te"
     a, sd = model.args, model.state_dict()
     out = {"embedding.word_embeddings.weight": sd["embeddings.weight"], "decoder.final_norm.weight": sd["norm.weight"]}
     if not a.tie_embeddings:
@@ -139,20 +166,35 @@ def megatron_state(model, te: bool = True) -> dict[str, torch.Tensor]:
             m, s, x = a.mla, p + "self_attention.", q + "attn."
             H, qk = m.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim
             out[p + "input_layernorm.weight"] = norm
+            kv_down = interleave_rope(sd[x + "kv_down_proj.weight"], m.qk_rope_head_dim)
             if m.q_lora_rank:
-                out[s + "linear_q_down_proj.weight"] = sd[x + "q_down_proj.weight"]
-                q_norm = "linear_q_up_proj.layer_norm_weight" if te else "q_layernorm.weight"
-                out[s + q_norm] = sd[x + "q_norm.weight"]
+                if layout == "te":
+                    (out[s + "linear_q_down_proj.weight"], out[s + "q_layernorm.weight"],
+                     out[s + "linear_q_up_proj.layer_norm_weight"]) = twice_normed(
+                        sd[x + "q_down_proj.weight"], sd[x + "q_norm.weight"], a.norm_eps)
+                else:
+                    out[s + "linear_q_down_proj.weight"] = sd[x + "q_down_proj.weight"]
+                    q_norm = "linear_q_up_proj.layer_norm_weight" if te else "q_layernorm.weight"
+                    out[s + q_norm] = sd[x + "q_norm.weight"]
                 out[s + "linear_q_up_proj.weight"] = interleave_rope(
                     sd[x + "q_up_proj.weight"].view(H, qk, -1), m.qk_rope_head_dim).reshape(H * qk, -1)
             else:
                 out[s + "linear_q_proj.weight"] = interleave_rope(
                     sd[x + "q_proj.weight"].view(H, qk, -1), m.qk_rope_head_dim).reshape(H * qk, -1)
-            out[s + "linear_kv_down_proj.weight"] = interleave_rope(sd[x + "kv_down_proj.weight"], m.qk_rope_head_dim)
-            out[s + ("linear_kv_up_proj.layer_norm_weight" if te else "kv_layernorm.weight")] = sd[x + "kv_norm.weight"]
+            if layout == "te":
+                r = m.kv_lora_rank
+                latent, out[s + "kv_layernorm.weight"], out[s + "linear_kv_up_proj.layer_norm_weight"] = twice_normed(
+                    kv_down[:r], sd[x + "kv_norm.weight"], a.norm_eps)
+                kv_down = torch.cat([latent, kv_down[r:]])
+            else:
+                kv_norm = "linear_kv_up_proj.layer_norm_weight" if te else "kv_layernorm.weight"
+                out[s + kv_norm] = sd[x + "kv_norm.weight"]
+            out[s + "linear_kv_down_proj.weight"] = kv_down
             out[s + "linear_kv_up_proj.weight"] = sd[x + "kv_up_proj.weight"]
             out[s + "linear_proj.weight"] = sd[x + "o_proj.weight"]
             out[s + "core_attention._extra_state"] = None
+            if te:
+                out[s + "linear_q_up_proj._extra_state"] = io.BytesIO(b"te fp8 meta")
         else:
             x, mx = q + "mixer.", p + "mixer."
             if a.mixer == "mamba2":  # Primus's Mamba2 sublayers normalise only through TE's fused norm
@@ -214,19 +256,40 @@ def tp_split(state: dict, a: ModelArgs, tp: int) -> list[dict]:
     return ranks
 
 
-def write_primus(model, run: Path, iteration: int = 20, fmt: str = "torch", tp: int = 1, te: bool = True,
-                 args: argparse.Namespace | None = None, state: dict | None = None, latest: bool = True) -> Path:
+def pp_split(state: dict, a: ModelArgs, pp: int) -> list[dict]:
+    """Each pipeline stage's share, as Megatron's torch format holds it: num_layers / pp consecutive layers numbered
+    from 0 on each stage (Primus's HybridStack split), the embedding on the first stage, the final norm and the
+    output layer on the last (tied embeddings: there a copy of the embedding, as Megatron keeps one)."""
+    per = a.n_layers // pp
+    stages = [{} for _ in range(pp)]
+    for name, t in state.items():
+        if name.startswith("decoder.layers."):
+            i, rest = name[len("decoder.layers."):].split(".", 1)
+            stages[int(i) // per][f"decoder.layers.{int(i) % per}.{rest}"] = t
+        else:
+            stages[0 if name.startswith("embedding.") else -1][name] = t
+    if a.tie_embeddings:
+        stages[-1]["output_layer.weight"] = state["embedding.word_embeddings.weight"].clone()
+    return stages
+
+
+def write_primus(model, run: Path, iteration: int = 20, fmt: str = "torch", tp: int = 1, layout: str = "te",
+                 args: argparse.Namespace | None = None, state: dict | None = None, latest: bool = True,
+                 pp: int = 1) -> Path:
     """A Primus checkpoint of ``model`` in ``run`` (a run's checkpoint folder): iter_N in the torch format
-    (mp_rank_XX/model_optim_rng.pt per tensor-parallel rank) or fsdp_dtensor (DCP, model.module., fc1 halves);
-    beside it latest_checkpointed_iteration.txt. Returns the iter_N folder."""
+    (mp_rank_XX/model_optim_rng.pt per tensor-parallel rank, mp_rank_XX_YYY with pipeline stages) or fsdp_dtensor
+    (DCP, model.module., fc1 halves); beside it latest_checkpointed_iteration.txt. Returns the iter_N folder."""
     a = model.args
-    args = args if args is not None else megatron_args(a, tp)
-    state = state if state is not None else megatron_state(model, te)
+    args = args if args is not None else megatron_args(a, tp, pipeline_model_parallel_size=pp)
+    state = state if state is not None else megatron_state(model, layout)
     folder = run / f"iter_{iteration:07d}"
     with fake_megatron():
         if fmt == "torch":
-            for r, shard in enumerate(tp_split(state, a, tp) if tp > 1 else [state]):
-                (folder / f"mp_rank_{r:02d}").mkdir(parents=True)
+            for (stage, part), r in ((sp, r) for sp in enumerate(pp_split(state, a, pp) if pp > 1 else [state])
+                                     for r in range(tp)):
+                shard = tp_split(part, a, tp)[r] if tp > 1 else part
+                rank = f"mp_rank_{r:02d}" + (f"_{stage:03d}" if pp > 1 else "")
+                (folder / rank).mkdir(parents=True)
                 ckpt = {"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": shard,
                         "optimizer": {"state": {0: {"exp_avg": torch.zeros(3)}}, "param_groups": [{"lr": 1e-4}]},
                         "opt_param_scheduler": {"num_steps": iteration * 8},
@@ -235,7 +298,7 @@ def write_primus(model, run: Path, iteration: int = 20, fmt: str = "torch", tp: 
                                        "torch_rng_state": torch.get_rng_state()}]}
                 if args is False:
                     del ckpt["args"]
-                torch.save(ckpt, folder / f"mp_rank_{r:02d}" / "model_optim_rng.pt")
+                torch.save(ckpt, folder / rank / "model_optim_rng.pt")
         else:
             flat = {}
             for k, v in state.items():
@@ -257,6 +320,18 @@ def write_primus(model, run: Path, iteration: int = 20, fmt: str = "torch", tp: 
     return folder
 
 
+def write_example_run(run: Path):
+    """The run docs/primus.md's block imports (tests/test_docs.py writes it first): the debug_hybrid recipe's model
+    saved as Primus's TE hybrid spec saves it, over 2 pipeline stages. Returns the model."""
+    from hybridtitan.models import get_flavor
+
+    torch.manual_seed(0)
+    model = build_model(get_flavor("debug_hybrid"), "cpu")
+    model.init_weights()
+    write_primus(model.eval(), run, pp=2)
+    return model
+
+
 # ------------------------------------------------------------------------------------------ the tests
 
 
@@ -274,30 +349,68 @@ def same_logits(step: Path, model) -> None:
         torch.testing.assert_close(back(x), model(x), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("name,tied,fmt,tp,te", [
-    ("mamba2_mla", True, "torch", 1, True),
-    ("mamba2_mla", False, "torch", 2, True),
-    ("gdn_mla", False, "fsdp_dtensor", 1, False),
-    ("gdn_mla", True, "torch", 2, False),
-    ("gdn", True, "torch", 1, True),
-    ("kda", True, "fsdp_dtensor", 1, True),
-    ("kda_mla", False, "torch", 1, False),
+@pytest.mark.parametrize("name,tied,fmt,tp,pp,layout", [
+    # Zebra-Llama's hybrid_stack_spec (Mamba2 + MLA, TE), its GDN and KDA hybrids' TE specs, tied and untied
+    ("mamba2_mla", True, "torch", 1, 1, "te"),
+    ("mamba2_mla", False, "torch", 2, 1, "te"),
+    ("mamba2_mla", False, "fsdp_dtensor", 1, 1, "te"),
+    ("gdn_mla", True, "torch", 1, 1, "te"),
+    ("gdn_mla", False, "torch", 1, 1, "te_fused"),
+    ("kda_mla", True, "torch", 1, 1, "te"),
+    ("gdn_mla", False, "fsdp_dtensor", 1, 1, "no_te"),
+    ("gdn_mla", True, "torch", 2, 1, "no_te"),
+    ("gdn", True, "torch", 1, 1, "te"),
+    ("kda", True, "fsdp_dtensor", 1, 1, "te"),
+    ("kda_mla", False, "torch", 1, 1, "no_te"),
+    # pipeline stages (mp_rank_XX_YYY), alone and with tensor-parallel ranks
+    ("mamba2_mla", True, "torch", 1, 2, "te"),
+    ("mamba2_mla", False, "torch", 2, 2, "te"),
+    ("gdn_mla", False, "torch", 1, 3, "no_te"),
+    ("kda_mla", True, "torch", 1, 2, "te"),
 ])
-def test_import_gives_the_same_logits(tmp_path, capsys, name, tied, fmt, tp, te):
+def test_import_gives_the_same_logits(tmp_path, capsys, name, tied, fmt, tp, pp, layout):
     model = make_model(name, tied)
     run = tmp_path / "checkpoints"
-    write_primus(model, run, fmt=fmt, tp=tp, te=te)
+    folder = write_primus(model, run, fmt=fmt, tp=tp, pp=pp, layout=layout)
+    if pp > 1:
+        assert (folder / f"mp_rank_00_{pp - 1:03d}").is_dir() and not (folder / "mp_rank_00").exists()
     out = tmp_path / "ft" / "checkpoint" / "step-0"
     import_cli(run, out)
     printed = capsys.readouterr().out
     assert f"Primus {fmt} format, iteration 20" in printed and "model only" in printed
     assert ("2 tensor-parallel ranks merged" in printed) == (tp == 2)
+    assert (f"{pp} pipeline stages joined" in printed) == (pp > 1)
     same_logits(out, model)
     # the tokenizer named by args.tokenizer_model is saved inside, where export and evaluation find it
     assert (out / "tokenizer" / "tokenizer.json").is_file()
     from hybridtitan.checkpoint import is_model_only
 
     assert is_model_only(str(out))
+
+
+def test_twice_normed_latent():
+    """The "te" layout is Primus's TE spec of the same model: Megatron's two norms in a row over its tensors (the
+    latent's rows of the down projection, q_layernorm / kv_layernorm, then the up projection's fused norm) give the
+    latent hybridtitan's single norm gives, for the query and the key/value latent; an eps other than the model's
+    does not."""
+    model = make_model("mamba2_mla", True)
+    m, eps = model.args.mla, model.args.norm_eps
+    state = megatron_state(model, "te")
+    attn, s = model.layers[0].attn, "decoder.layers.0.self_attention."
+    h = torch.randn(5, model.args.dim, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ours_q = attn.q_norm(attn.q_down_proj(h))
+        ours_kv = attn.kv_norm(attn.kv_down_proj(h)[:, : m.kv_lora_rank])
+        theirs_q = megatron_latent(h, state[s + "linear_q_down_proj.weight"], state[s + "q_layernorm.weight"],
+                                   state[s + "linear_q_up_proj.layer_norm_weight"], eps)
+        theirs_kv = megatron_latent(h, state[s + "linear_kv_down_proj.weight"][: m.kv_lora_rank],
+                                    state[s + "kv_layernorm.weight"], state[s + "linear_kv_up_proj.layer_norm_weight"],
+                                    eps)
+        torch.testing.assert_close(theirs_q, ours_q, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(theirs_kv, ours_kv, atol=1e-5, rtol=1e-5)
+        off = megatron_latent(h, state[s + "linear_q_down_proj.weight"], state[s + "q_layernorm.weight"],
+                              state[s + "linear_q_up_proj.layer_norm_weight"], 1e-3)
+        assert (off - ours_q).abs().max() > 1e-3
 
 
 def test_iteration_chosen(tmp_path, capsys):
@@ -403,6 +516,9 @@ def test_bad_checkpoints_refused(tmp_path, capsys):
     run = tmp_path / "dist" / "iter_0000005"
     dcp.save({"decoder.final_norm.weight": torch.ones(a.dim)}, checkpoint_id=str(run), no_dist=True)
     expect_refusal(capsys, run, out, "no model tensors under 'model.module.'")
+    (run / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    expect_refusal(capsys, run, out, "is in Megatron's torch_dist format, which is not read: convert it to the "
+                   "torch format with Megatron's --ckpt-convert-format torch")
     # a latest file that names a missing iteration; a missing rank file
     run = run_with()
     (run / "latest_checkpointed_iteration.txt").write_text("40")
@@ -447,15 +563,40 @@ def test_bad_checkpoints_refused(tmp_path, capsys):
                    "imply (192, 64)")
     # what the model cannot reproduce: LayerNorm, a bias, a Mamba2 sublayer without a pre-norm, a doubly normed latent
     expect_refusal(capsys, run_with(args=megatron_args(a, normalization="LayerNorm")), out, "normalization is")
+    expect_refusal(capsys, run_with(args=megatron_args(a, apply_layernorm_1p=True)), out, "apply_layernorm_1p is true")
+    # a layer the pattern has and the tensors do not (a checkpoint cut short)
+    state = {k: v for k, v in megatron_state(model).items() if not k.startswith("decoder.layers.3.")}
+    expect_refusal(capsys, run_with(state=state), out, "has no tensors of decoder.layers.3")
     state = megatron_state(model)
     state["decoder.layers.1.mlp.linear_fc2.bias"] = torch.zeros(a.dim)
     expect_refusal(capsys, run_with(state=state), out, "tensor decoder.layers.1.mlp.linear_fc2.bias")
     state = megatron_state(model)
     del state["decoder.layers.2.mixer.in_proj.layer_norm_weight"]
     expect_refusal(capsys, run_with(state=state), out, "decoder.layers.2 (Mamba2) has no pre-norm")
-    state = megatron_state(model)
-    state["decoder.layers.0.self_attention.q_layernorm.weight"] = torch.ones(a.mla.q_lora_rank)
+    state = megatron_state(model)  # Primus's earlier TE MLP: a TENorm before the fc1 with its fused norm
+    state["decoder.layers.1.pre_mlp_layernorm.weight"] = torch.ones(a.dim)
     expect_refusal(capsys, run_with(state=state), out, "two norms in a row")
+    # pipeline stages: args that say another count, a stage missing, both names of ranks, a stage not from 0
+    expect_refusal(capsys, run_with(pp=2, args=megatron_args(a)), out,
+                   "holds 2 pipeline stages, but args say pipeline_model_parallel_size 1")
+    expect_refusal(capsys, run_with(args=megatron_args(a, pipeline_model_parallel_size=2)), out,
+                   "holds 1 pipeline stage, but args say pipeline_model_parallel_size 2")
+    run = run_with(pp=3)
+    import shutil
+
+    shutil.rmtree(run / "iter_0000020" / "mp_rank_00_001")
+    expect_refusal(capsys, run, out, "are not every tensor-parallel rank")
+    run = run_with(pp=2)
+    (run / "iter_0000020" / "mp_rank_00").mkdir()
+    expect_refusal(capsys, run, out, "holds both mp_rank_00 and mp_rank_00_000")
+    stages = pp_split(megatron_state(model), a, 2)
+    run = run_with(pp=2)
+    with fake_megatron():
+        path = run / "iter_0000020" / "mp_rank_00_001" / "model_optim_rng.pt"
+        ckpt = torch.load(path, weights_only=False)
+        ckpt["model"] = {k.replace("decoder.layers.0.", "decoder.layers.3."): v for k, v in stages[1].items()}
+        torch.save(ckpt, path)
+    expect_refusal(capsys, run, out, "are not numbered from 0 without a gap")
     # tensor-parallel ranks that disagree with args
     run = write_primus(model, tmp_path / "tp", tp=2, args=megatron_args(a, tp=4)).parent
     expect_refusal(capsys, run, out, "2 tensor-parallel ranks, but args say tensor_model_parallel_size 4")
