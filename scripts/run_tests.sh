@@ -4,9 +4,9 @@
 # Two pytest-xdist workers, the longest tests started first (tests/conftest.py); the suite keeps both cores busy.
 # The trainer runs (single processes and the ranks of multi-process runs) and the command lines of most tests are
 # forked from a server per worker that has imported torch, DTensor, transformers, datasets, lm-eval and the package
-# once (tests/preloaded.py): a fresh interpreter spends ~4 s of CPU importing them (the tests of the docs, torchrun,
-# Slurm, installs and stock lm-eval start fresh ones). A test that fails where a forked process died of a fatal
-# signal runs once more in fresh processes, with a warning (tests/conftest.py). `-n 0` runs the tests in one process.
+# once (tests/forked.py): a fresh interpreter spends ~4 s of CPU importing them (the tests of the docs, torchrun,
+# Slurm, installs and stock lm-eval start fresh ones). A test failed by a forked process's fatal signal runs once
+# more in fresh processes (pytest-rerunfailures; tests/README.md). `-n 0` runs the tests in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_cpu.sh

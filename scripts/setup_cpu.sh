@@ -10,7 +10,8 @@ fi
 source .venv/bin/activate
 # (installed = found on the path: importing them all, lm_eval's ~5,000 modules included, took ~9 s each time)
 if ! python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in
-    ('hybridtitan', 'torch', 'fla', 'lm_eval', 'xdist', 'matplotlib', 'accelerate', 'torchao')))" 2>/dev/null \
+    ('hybridtitan', 'torch', 'fla', 'lm_eval', 'xdist', 'pytest_rerunfailures', 'matplotlib', 'accelerate',
+    'torchao')))" 2>/dev/null \
     || ! python -m ruff --version >/dev/null 2>&1; then
   echo "setting up .venv (torch 2.13.0 CPU + hybridtitan and its dependencies)..."
   # --no-compile: Python compiles a module's bytecode when it is first imported, so only what runs is compiled
