@@ -268,6 +268,8 @@ SPECS = {
     "kda_hybrid_stack_spec": ("kda", None, ""),
     "kda_hybrid_stack_spec_no_te": ("kda", None, ""),
 }
+# The TE specs whose MLA normalises each latent twice (hybridtitan.primus_checkpoint folds the two on import)
+TWICE_NORMED_LATENTS = ("hybrid_stack_spec", "gdn_hybrid_stack_spec", "kda_hybrid_stack_spec")
 
 # Vocabulary sizes of the tokenizers Primus's hybrid configurations name (Megatron pads the tokenizer's)
 TOKENIZER_VOCAB = {"meta-llama/Llama-3.2-1B": 128256, "meta-llama/Llama-3.2-3B": 128256,
@@ -560,6 +562,9 @@ def map_model(m: Mapping):
                           "sublayers only (no MoE 'E' or MTP '/')")
     if len(pattern) != n_layers:
         raise PrimusError(f"pattern {pattern!r} has {len(pattern)} sublayers, num_layers is {n_layers}")
+    if spec_name in TWICE_NORMED_LATENTS and "*" in pattern:
+        m.differ("spec", "its MLA normalises each latent twice (q_layernorm / kv_layernorm, then the norm fused into "
+                 "linear_q_up_proj / linear_kv_up_proj); hybridtitan's MLA once")
     ffn = m.take("ffn_hidden_size") if "-" in pattern else None
     if "-" in pattern and not m.take("swiglu"):
         m.differ("swiglu", "Primus's MLPs are GELU; hybridtitan's are SwiGLU")

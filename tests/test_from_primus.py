@@ -25,6 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "tests" / "assets" / "primus"
 EXPERIMENTS = ASSETS / "examples" / "megatron" / "configs" / "MI300X"
 
+# the TE-spec hybrids with MLA sublayers (the GDN and KDA ones without attention have none; the no-TE specs norm
+# each latent once)
+TWICE_NORMED = {"zebra_llama_1B", "zebra_llama_3B", "zebra_llama_8B", "zebra_llama_1B_kda"}
 BENCHMARK_RUN = {"training.steps"}  # train_iters 50 of the YAML against the recipe's full schedule
 BENCHMARK_BATCH = {"training.local_batch_size", "training.global_batch_size"}
 # experiment -> (the recipe that follows it, what differs from that recipe: the YAMLs' benchmark settings, which
@@ -122,6 +125,9 @@ def test_each_released_configuration_gives_its_recipe(name, tmp_path):
     for key in expected:
         assert any(line.startswith(f"shipped: - {key}: ") for line in shipped_lines), (key, shipped_lines)
         assert f"# - {key}: " in text
+    # a TE spec's twice-normed MLA latents (hybridtitan norms them once) are named where the model has MLA
+    twice = any(line.startswith("difference: spec = ") and "normalises each latent twice" in line for line in report)
+    assert twice == (name in TWICE_NORMED), report
     # the benchmark run is explained, with the full run's length
     decay = ours.lr_scheduler.total_steps
     assert any(line.startswith("difference: train_iters = 50 ") and f"--training.steps {decay}" in line
