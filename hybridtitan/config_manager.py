@@ -401,15 +401,15 @@ def check_dpo(cfg: JobConfig, check_data: bool = True) -> None:
         raise ConfigError("data.tokenizer is required: the pairs are tokenized with it")
     if not check_data:
         return
-    local = looks_local(d.path) and not os.path.isdir(resolve_path(d.path))
-    if local and not local_data_files(d.path):
-        raise ConfigError(f"dpo.path: no such file or folder: {d.path}")
-    if cfg.validation.enable and local and not d.validation_path:
+    def local_files(path: str) -> bool:  # local files, not a folder (a hub dataset or a dataset folder is neither)
+        return looks_local(path) and not os.path.isdir(resolve_path(path))
+
+    for key, path in (("dpo.path", d.path), ("dpo.validation_path", d.validation_path)):
+        if path and local_files(path) and not local_data_files(path):
+            raise ConfigError(f"{key}: no such file or folder: {path}")
+    if cfg.validation.enable and local_files(d.path) and not d.validation_path:
         raise ConfigError(f"dpo.validation_path: validation.enable needs held-out pairs, and the local files of "
                           f"dpo.path ({d.path}) are the training pairs: give other files")
-    if d.validation_path and looks_local(d.validation_path) and not os.path.isdir(resolve_path(d.validation_path)) \
-            and not local_data_files(d.validation_path):
-        raise ConfigError(f"dpo.validation_path: no such file or folder: {d.validation_path}")
 
 
 def check_ranges(cfg: JobConfig) -> None:

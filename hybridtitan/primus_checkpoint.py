@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import re
 
@@ -704,8 +705,6 @@ def _kda(a: ModelArgs, src: RankTensors, p: str, q: str) -> dict[str, torch.Tens
 
 def _sharded_backend(folder: str) -> str | None:
     """The backend Megatron's dist-checkpoint metadata.json names (torch_dist), or None."""
-    import json
-
     try:
         with open(os.path.join(folder, "metadata.json")) as f:
             backend = json.load(f).get("sharded_backend")

@@ -34,11 +34,11 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from .chat import is_conversation, read_template, render
 from .config import Data, local_data_files, looks_local, resolve_path
+from .loader import IGNORE_INDEX
 from .sources import ShardedDocuments, load_hf_dataset
 from .tokenizer import encode_batch, eos_id, vocab_mismatch
 
 STATE_VERSION = 1
-IGNORE_INDEX = -100  # as hybridtitan.data.loader's
 BLOCK = 1000  # rows rendered and tokenized per call
 
 
