@@ -359,6 +359,11 @@ class Compile:
 
 @dataclass(frozen=True)
 class Comm:
+    backend: Literal["auto", "gloo"] = "auto"
+    """The collectives' backend: auto (NCCL on NVIDIA GPUs, RCCL on ROCm, gloo on CPUs) or gloo, which carries GPU
+    tensors through the host and so lets several ranks share one GPU (a check of context parallelism on a
+    one-GPU machine; slow)"""
+
     init_timeout_seconds: int = 300
     """Seconds a collective may wait before the run fails, until the first step is done (start-up, compilation,
     autotuning)"""

@@ -152,9 +152,20 @@ def plan_layout(cfg: JobConfig) -> Layout:
     if global_batch % per_step:
         raise ConfigError(f"training.global_batch_size ({global_batch}) is not divisible by local_batch_size x "
                           f"data-parallel size ({t.local_batch_size} x {dp.size} = {per_step})")
-    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    device = gpu_of(local_rank, cfg.comm.backend) if torch.cuda.is_available() else torch.device("cpu")
     return Layout(device=device, world_size=world_size, dp=dp, dp_rank=int(os.environ.get("RANK", "0")) // cp,
                   cp=cp, cp_layout=cp_layout, global_batch=global_batch, grad_accum=global_batch // per_step)
+
+
+def gpu_of(local_rank: int, backend: str) -> torch.device:
+    """This rank's GPU: its own under NCCL, which refuses two ranks on one GPU; shared round-robin under gloo."""
+    gpus = torch.cuda.device_count()
+    if backend == "gloo":
+        return torch.device(f"cuda:{local_rank % gpus}")
+    if local_rank >= gpus:
+        raise ConfigError(f"local rank {local_rank} has no GPU of its own ({gpus} on this node): start at most {gpus} "
+                          f"ranks per node, or share the GPUs with --comm.backend gloo (slow)")
+    return torch.device(f"cuda:{local_rank}")
 
 
 def plan_model(cfg: JobConfig, layout: Layout) -> ModelPlan:

@@ -220,7 +220,7 @@ class Trainer:
         if self.device.type == "cuda" and t.expandable_segments:
             # from the recipe, before the first allocation; fragmentation otherwise costs the larger batches
             torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-        init_distributed(self.device, cfg.comm.init_timeout_seconds)
+        init_distributed(self.device, cfg.comm.init_timeout_seconds, cfg.comm.backend)
         self.rank = dist.get_rank()
         setup_logging(self.rank)
         for warning in plan.warnings:
@@ -613,8 +613,9 @@ def _remove_quietly(path: str) -> None:
         os.remove(path)
 
 
-def init_distributed(device: torch.device, timeout_seconds: int) -> None:
-    backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL is RCCL on ROCm builds
+def init_distributed(device: torch.device, timeout_seconds: int, backend: str) -> None:
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL is RCCL on ROCm builds
     kwargs = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_seconds)}
     if "RANK" not in os.environ:
         # one process without torchrun: a group of one, so the sharded (FSDP) code path is the same

@@ -163,3 +163,16 @@ def test_load_balancer_values(tmp_path):
     recipe = tmp_path / "contiguous.toml"
     recipe.write_text('[parallelism]\ncontext_parallel_degree = 2\ncontext_parallel_load_balancer = "none"\n')
     assert layout(str(recipe)) == "contiguous"
+
+
+def test_ranks_share_a_gpu_only_under_gloo(monkeypatch):
+    """comm.backend gloo puts local ranks on the GPUs round-robin (two CP ranks on one GPU:
+    gpu_harness/checks/cp_train_check.py); under NCCL a rank without a GPU of its own is refused in one line."""
+    from hybridtitan.config_manager import ConfigError
+    from hybridtitan.preflight import gpu_of
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert [gpu_of(r, "gloo") for r in (0, 1)] == [torch.device("cuda:0")] * 2
+    assert gpu_of(0, "auto") == torch.device("cuda:0")
+    with pytest.raises(ConfigError, match="local rank 1 has no GPU of its own .1 on this node.*--comm.backend gloo"):
+        gpu_of(1, "auto")

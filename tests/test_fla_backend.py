@@ -169,3 +169,22 @@ def test_gdn_backend_pinned_to_triton_or_flash_qla(monkeypatch, caplog):
     assert told == ["gated_delta_rule: FlashQLA asked for but not installed: FLA's Triton kernels"]
     with pytest.raises(ValueError, match="backend must be one of triton, flash_qla"):
         fla_backend.gated_delta_rule(*args, backend="cuda")
+
+
+@pytest.mark.parametrize("heads, kv_heads, dk, dv", [(4, 2, 16, 16), (4, 4, 24, 16)])
+def test_bottom_right_attention_is_the_reference(heads, kv_heads, dk, dv):
+    """T queries as the last T of S keys (decoding, a CP rank's run of queries): SDPA's bottom-right causal bias,
+    grouped heads repeated, equals the reference's explicit mask, forward and every gradient. On CPUs SDPA takes
+    its math kernel; the flash and memory-efficient kernels are gpu_harness/checks/cp_check.py's."""
+    g = torch.Generator().manual_seed(0)
+    T, S = 5, 12
+    q, k, v = (torch.randn(2, n, h, d, generator=g, dtype=torch.float64, requires_grad=True)
+               for n, h, d in ((T, heads, dk), (S, kv_heads, dk), (S, kv_heads, dv)))
+    fused = fla_backend.bottom_right_attention(q, k, v, 0.3)
+    want = reference.causal_attention(q, k, v, 0.3)
+    torch.testing.assert_close(fused, want)
+    w = torch.randn(fused.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((fused * w).sum(), (q, k, v))
+    ref = torch.autograd.grad((want * w).sum(), (q, k, v))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b)

@@ -13,7 +13,8 @@ Each op at the head sizes of a 300M flavor (the shapes whose kernels the GPU mac
 inputs in bfloat16 as training gives them (the decays' parameters in float32): gated_delta_rule (gdn_300M: 4
 query/key heads, 8 value heads, 64 x 64), kda (kda_300M: 8 heads, 32 x 64), simple_gla (Mamba2's SSD,
 zebra_mamba2_300M: 32 heads, 64 x 64), the short convolution (1,024 channels, width 4) and attention (8 query
-heads over 2 key heads of 128). Cases: two dense rows of T / 2 tokens, and one packed row
+heads over 2 key heads of 128) and MLA's attention (16 heads with keys of their own, keys of 96 = 64 + 32 RoPE
+wider than values of 64). Cases: two dense rows of T / 2 tokens, and one packed row
 of T tokens whose document boundaries fall inside chunks, on a chunk's edge and one token before one; both layouts
 (contiguous, zigzag). Per case: ||cp - one|| / ||one|| of the output and of every input's gradient (a shared
 parameter's summed over the ranks), against --bar (default 2e-2: bfloat16 inputs, a state carried in float32).
@@ -46,7 +47,7 @@ from common import (  # noqa: E402,F401  (REPO: puts the checkout on sys.path)
     use_kernel_configs,
 )
 
-OPS = ("gated_delta_rule", "kda", "simple_gla", "short_conv", "attention")
+OPS = ("gated_delta_rule", "kda", "simple_gla", "short_conv", "attention", "mla")
 WORLD = 2
 
 
@@ -86,6 +87,9 @@ def inputs(op: str, B: int, T: int, seed: int, device, small: bool) -> tuple[dic
     if op == "short_conv":
         D = 1024 // s
         return {"x": seq(B, T, D)}, {"weight": randn(D, 4, scale=0.5), "bias": randn(D, scale=0.1)}
+    if op == "mla":  # keys per head, wider than the values (a no-RoPE and a RoPE part): the efficient kernel
+        H, Dk, Dv = 16 // s, 96 // s, 64 // s
+        return {"q": seq(B, T, H, Dk), "k": seq(B, T, H, Dk), "v": seq(B, T, H, Dv)}, {}
     H, Hk, D = 8 // s, 2 // s or 1, 128 // s
     return {"q": seq(B, T, H, D), "k": seq(B, T, Hk, D), "v": seq(B, T, Hk, D)}, {}
 

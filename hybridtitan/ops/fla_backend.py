@@ -234,10 +234,8 @@ def swiglu_linear(gate, up, weight):
 
 
 def attention(q, k, v, scale, cu_seqlens, rows):
-    if cu_seqlens is None and q.shape[1] != k.shape[1]:  # decoding against a cache
-        from .reference import causal_attention
-
-        return causal_attention(q, k, v, scale)
+    if cu_seqlens is None and q.shape[1] != k.shape[1]:  # decoding against a cache; a CP rank's run of queries
+        return bottom_right_attention(q, k, v, scale)
     if cu_seqlens is None:
         out = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
@@ -245,6 +243,20 @@ def attention(q, k, v, scale, cu_seqlens, rows):
         )
         return out.transpose(1, 2)
     return parallel_attn(q, k, v, scale=scale, cu_seqlens=cu_seqlens)  # grouped-query heads taken as they are
+
+
+def bottom_right_attention(q, k, v, scale):
+    """Causal attention of T queries that are the last T positions of S >= T keys, through SDPA's flash kernel
+    (its causal mask is bottom-right aligned where T < S) or, where flash refuses (key and value widths unequal:
+    MLA), the memory-efficient kernel; no [T, S] mask is built. Grouped key/value heads are repeated first, as the
+    flash kernel takes equal heads."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    if k.shape[2] != q.shape[2]:
+        k, v = (x.repeat_interleave(q.shape[2] // x.shape[2], dim=2) for x in (k, v))
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=causal_lower_right(q.shape[1], k.shape[1]), scale=scale)
+    return out.transpose(1, 2)
 
 
 def kl_div(hidden, weight, t_hidden, t_weight, valid):
