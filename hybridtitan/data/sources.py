@@ -117,8 +117,8 @@ class MockSource:
 def slice_bounds(num_documents: int, document_slice) -> tuple[int, int]:
     """The positions [lo, hi) of the permutation that data.document_slice [start, end) keeps of ``num_documents``.
 
-    They are round(start * n) and round(end * n). Slices that meet, such as [0, 0.2] and [0.2, 1], so share their bound,
-    and no document is lost or repeated."""
+    They are round(start * n) and round(end * n). Slices that meet, such as [0, 0.2] and [0.2, 1], then share their
+    bound, and no document is lost or repeated."""
     start, end = document_slice
     return round(start * num_documents), round(end * num_documents)
 

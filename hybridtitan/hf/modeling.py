@@ -181,8 +181,8 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
 
     def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None,
                                     every_n_layers: int = 1, **kwargs) -> None:
-        """Where transformers' gradient_checkpointing_enable and activation_checkpointing_enable (and their disable)
-        end.
+        """The method that transformers' gradient_checkpointing_enable and activation_checkpointing_enable, and their
+        disable, call.
 
         With ``enable``, every ``every_n_layers``-th sublayer (attention, mixer or MLP) is recomputed in the backward
         pass with ``gradient_checkpointing_func``, as in the trainer's activation_checkpoint modes. Without it, the

@@ -176,7 +176,7 @@ def read_folder(path: str) -> Folder:
 
 
 def foreign(record: dict[str, Any], gpu: dict[str, str] | None, versions: dict[str, str | None]) -> str | None:
-    """Why a folder recorded as ``record`` says is not for this GPU and these versions, or None if it is. Without a GPU
+    """Why the folder whose record is ``record`` is not for this GPU and these versions, or None if it is. Without a GPU
     (``gpu`` None) only the versions are compared."""
     r_gpu, r_versions = record["gpu"], record["versions"]
     if gpu is not None and (r_gpu.get("dir"), r_gpu.get("capability")) != (gpu["dir"], gpu["capability"]):
