@@ -1,16 +1,16 @@
-"""DCP checkpoints: ``dump_folder/checkpoint/step-N`` with model, optimizer, LR schedule, data loader, step, RNG.
+"""DCP checkpoints in ``dump_folder/checkpoint/step-N``: model, optimizer, LR schedule, data loader, step and RNG.
 
-Why not torchtitan's CheckpointManager: a save must never leave a folder that looks complete but is not, and a
-run must resume from the last *complete* one. Here every save is written to ``step-N.partial`` and renamed to
-``step-N`` only once all ranks finished (a rename is atomic), then ``latest`` is rewritten atomically; an
-interrupted save leaves only a ``.partial`` folder that resume ignores and the next save removes. Each step
-folder also holds ``model_args.json`` and ``job_config.json``, so export and evaluation rebuild the model from
-the folder alone.
+A run must resume from the last complete checkpoint, and a save must never leave a folder that looks complete but is
+not. That is why this module does not use torchtitan's CheckpointManager. Each save writes ``step-N.partial``. Once all
+ranks have finished, rank 0 renames it to ``step-N`` (a rename is atomic) and rewrites ``latest`` atomically. An
+interrupted save leaves only a ``.partial`` folder. Resume ignores it and the next save removes it.
 
-The model and optimizer states are sharded DTensors: DCP reshards them, so a checkpoint saved by N ranks loads
-on M ranks. The data loader and RNG states are per rank (keys ``dataloader.dp_rank_R``); on a different
-data-parallel size every rank restarts its loader from the saved rank-0 position (see the data loader).
-"""
+Each step folder also holds ``model_args.json`` and ``job_config.json``, so export and evaluation can rebuild the model
+from the folder alone.
+
+The model and optimizer states are sharded DTensors. DCP reshards them, so a checkpoint saved by N ranks loads on M
+ranks. The data loader and RNG states are per rank (keys ``dataloader.dp_rank_R``). When the data-parallel size changes,
+every rank restarts its loader from the saved rank-0 position."""
 
 from __future__ import annotations
 
@@ -65,8 +65,8 @@ def complete_steps(folder: str) -> list[int]:
 
 
 def is_model_only(step_dir: str) -> bool:
-    """Whether a complete step folder holds only the model (checkpoint.last_save_model_only, import_hf). False
-    when its metadata cannot be read: loading it will say what is wrong."""
+    """Whether a complete step folder holds only the model, as checkpoint.last_save_model_only and import_hf write it.
+    Returns False when the metadata cannot be read. Loading the folder then reports what is wrong."""
     try:
         keys = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
     except Exception:  # noqa: BLE001 -- any damage (unpickling, I/O) is reported by the load itself
@@ -125,8 +125,8 @@ def load_model_args(step_dir: str) -> ModelArgs:
 
 
 def read_dcp_model_state(step_dir: str, args: ModelArgs) -> dict[str, torch.Tensor]:
-    """The model tensors of a DCP step folder, under HybridLM's names, in their stored dtype, read straight from
-    the folder (no model is built). CheckpointError if the folder lacks a tensor or disagrees with model_args."""
+    """The model tensors of a DCP step folder, read without building a model. Keys are HybridLM's names and dtypes are
+    as stored. Raises CheckpointError if the folder lacks a tensor or disagrees with model_args.json."""
     stored = _stored_model_tensors(step_dir, args)
     state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in stored.items()}
     try:
@@ -137,9 +137,9 @@ def read_dcp_model_state(step_dir: str, args: ModelArgs) -> dict[str, torch.Tens
 
 
 def read_dcp_shards(step_dir: str, args: ModelArgs, state: dict[str, torch.Tensor]) -> None:
-    """Fills ``state`` (HybridLM's names -> a model's own FSDP2-sharded parameters) from a DCP step folder, every
-    rank of the process group reading the pieces it holds alone, cast to the parameters' dtype. CheckpointError as
-    read_dcp_model_state."""
+    """Fills ``state`` from a DCP step folder. ``state`` maps HybridLM's names to a model's own FSDP2-sharded
+    parameters. Every rank of the process group reads only the pieces it holds, cast to the parameters' dtype. Raises
+    CheckpointError as read_dcp_model_state does."""
     _stored_model_tensors(step_dir, args)
     try:
         dcp.load({"model": state}, checkpoint_id=step_dir)
@@ -181,8 +181,8 @@ def load_model(path: str, device: str | torch.device = "cpu", dtype: torch.dtype
 
 
 def save_model_checkpoint(model: HybridLM, step_dir: str, dtype: torch.dtype = torch.float32) -> None:
-    """A model-only checkpoint (one process) that training can start from with checkpoint.initial_load_path
-    and that export and evaluation read like any other (in float32; a teacher's may be 16-bit)."""
+    """Writes a model-only checkpoint from one process. Training can start from it with checkpoint.initial_load_path,
+    and export and evaluation read it like any other. It is float32 by default; a teacher's may be 16-bit."""
     partial = step_dir.rstrip("/") + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
@@ -196,11 +196,12 @@ def save_model_checkpoint(model: HybridLM, step_dir: str, dtype: torch.dtype = t
 
 
 def _plain(value: Any) -> Any:
-    """The plain tensor a wrapper subclass holds: float8 training's all-gather wraps the local shard of each
-    converted weight (torchao's WeightWithDynamicFloat8CastTensor), and the optimizer's moments of that weight
-    follow it. Saved as they are, they would pickle torchao's classes into the checkpoint, which then loads only
-    with torchao and never with weights_only. The plain tensor shares the wrapper's storage, so a load into it
-    fills the wrapped weight."""
+    """The plain tensor inside a wrapper subclass.
+
+    Float8 training wraps the local shard of each converted weight in torchao's WeightWithDynamicFloat8CastTensor, and
+    the optimizer's moments of that weight follow it. Saved as they are, they would pickle torchao's classes into the
+    checkpoint, which would then load only with torchao and never with weights_only. The plain tensor shares the
+    wrapper's storage, so loading into it fills the wrapped weight."""
     local = value._local_tensor if isinstance(value, DTensor) else value
     if not isinstance(local, torch.Tensor) or type(local) in (torch.Tensor, torch.nn.Parameter):
         return value
@@ -283,8 +284,8 @@ class CheckpointManager:
         return self.enable and (last or step % self.interval == 0 or (self.first_step and step == 1))
 
     def save(self, step: int, model_only: bool = False) -> None:
-        """All the training state at ``step`` (only the model with ``model_only``: export and evaluation read it,
-        training can start from it but not continue the run)."""
+        """Saves all the training state at ``step``. With ``model_only`` it saves only the model. Export and evaluation
+        read such a checkpoint and a new run can start from it, but this run cannot continue from it."""
         if not self.enable:
             return
         self.wait()
@@ -328,7 +329,8 @@ class CheckpointManager:
             pending.join()
 
     def _complete(self, partial: str, final: str) -> None:
-        """Rank 0, once every rank's part is written: the step folder under its final name, named in `latest`."""
+        """Run by rank 0 once every rank's part is written. Moves the step folder to its final name and names it in
+        ``latest``."""
         with open(os.path.join(partial, MODEL_ARGS_FILE), "w") as f:
             json.dump(model_args_to_dict(self.model_args), f, indent=2)
         with open(os.path.join(partial, JOB_CONFIG_FILE), "w") as f:
@@ -342,8 +344,8 @@ class CheckpointManager:
         os.replace(tmp, os.path.join(self.folder, "latest"))
 
     def _purge(self) -> None:
-        """Deletes the checkpoints beyond keep_latest_k in a background thread: deleting a large checkpoint can
-        take longer than the other ranks should wait in a collective."""
+        """Deletes the checkpoints beyond keep_latest_k in a background thread. Deleting a large checkpoint can take
+        longer than the other ranks should wait in a collective."""
         if self.keep_latest_k <= 0:
             return
         old = [os.path.join(self.folder, f"step-{s}") for s in complete_steps(self.folder)[:-self.keep_latest_k]]
@@ -363,7 +365,7 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def load(self, step_dir: str, model_only: bool = False) -> None:
-        """Restores a checkpoint into the live model/optimizer/scheduler/loader (resharding as needed)."""
+        """Restores a checkpoint into the live model, optimizer, schedule and loader, resharding as needed."""
         if model_only:
             dcp.load({"model": _ModelState(self.model)}, checkpoint_id=step_dir)
             return
@@ -390,10 +392,12 @@ class CheckpointManager:
 
 
 class _BackgroundSave:
-    """A save written in the background, completed the moment its write ends. DCP's save ends on every rank only
-    after the coordinator (rank 0) has gathered all ranks' results and written the metadata, so rank 0 can rename
-    the step folder then, in this thread: a crash after that loses nothing, and no collective runs outside the
-    training's own order (a rank leaving on an error must not wait in a barrier the others never reach)."""
+    """A save written in the background and completed as soon as its write ends.
+
+    DCP's save ends on every rank only after rank 0, the coordinator, has gathered all ranks' results and written the
+    metadata. So rank 0 can rename the step folder at that point, in this thread, and a crash afterwards loses nothing.
+    No collective runs outside the training's own order, because a rank that leaves on an error must not wait in a
+    barrier the others never reach."""
 
     def __init__(self, future: Future, complete=None):
         self.error: BaseException | None = None

@@ -1,13 +1,12 @@
-"""Reading a job configuration: a TOML recipe and the command line into a JobConfig (hybridtitan.job_config).
+"""Reads a job configuration: a TOML recipe and the command line, into a JobConfig (hybridtitan.job_config).
 
-One source of truth: a TOML recipe, any key overridable on the command line as ``--section.key value`` (booleans
-also as ``--section.flag`` / ``--section.no_flag``, lists comma-separated). Each value is checked against its
-field's type, and every problem is one ``ConfigError`` line naming the key. torchtitan keys for features
-hybridtitan does not implement (tensor, pipeline, expert parallelism, MX formats, ...) are refused when set,
-rather than silently ignored.
+The TOML recipe is the one source of truth. The command line can override any key as ``--section.key value``. Booleans
+also take ``--section.flag`` and ``--section.no_flag``, and lists are comma-separated. Each value is checked against its
+field's type, and every problem is one ``ConfigError`` line that names the key. torchtitan keys for features hybridtitan
+does not implement (tensor, pipeline and expert parallelism, MX formats, ...) are refused when set, not silently
+ignored.
 
-(No ``from __future__ import annotations`` here: the type checks below read real types.)
-"""
+This module does not use ``from __future__ import annotations``, because the type checks read real types."""
 
 import dataclasses
 import difflib
@@ -78,8 +77,8 @@ def _describe_type(tp: Any) -> str:
 
 
 def _check_toml(data: dict, cls, prefix: str = "") -> None:
-    """Unknown sections/keys and wrong value types in the TOML, each reported with its full key; torchtitan's
-    options hybridtitan does not implement checked against their defaults (check_titan_option)."""
+    """Reports unknown sections and keys and wrong value types in the TOML, each with its full key. torchtitan options
+    that hybridtitan does not implement are checked against their defaults (check_titan_option)."""
     known = _field_map(cls)
     hints = typing.get_type_hints(cls)
     for key, value in data.items():
@@ -126,8 +125,8 @@ def _check_titan_toml(key: str, value: Any) -> None:
 
 
 def check_titan_option(key: str, value: Any) -> None:
-    """A torchtitan option hybridtitan does not implement: its default is accepted (and means nothing here), any
-    other value refused in one line."""
+    """Checks a torchtitan option that hybridtitan does not implement. Its default is accepted and means nothing here.
+    Any other value is refused in one line."""
     if value == TITAN_OPTIONS[key][1]:
         return
     section = key.split(".")[0]
@@ -181,9 +180,10 @@ TRAIN_USAGE = """usage: python -m hybridtitan.train --job.config_file RECIPE.tom
 
 
 def parse_config(args: list[str] | None = None, check_data: bool = True, usage: str = TRAIN_USAGE):
-    """TOML + command line -> a validated JobConfig. Raises ConfigError with one line on any problem.
-    ``check_data=False`` skips the [data] checks (describe needs no data). ``--help`` prints ``usage`` and the
-    supported keys, and exits."""
+    """Turns the TOML and the command line into a validated JobConfig. Raises ConfigError with one line on any problem.
+
+    ``check_data=False`` skips the [data] checks, because describe needs no data. ``--help`` prints ``usage`` and the
+    supported keys, then exits."""
     args = list(sys.argv[1:] if args is None else args)
     if "--help" in args or "-h" in args:
         print(help_text(usage, JobConfig))
@@ -223,8 +223,8 @@ def _apply_toml(target, data: dict) -> None:
 
 
 def _set(section, key: str, value) -> None:
-    """A key's value, while the configuration is being read (the sections are frozen dataclasses: a JobConfig is
-    a value once parse_config returns it)."""
+    """Sets a key's value while the configuration is being read. The sections are frozen dataclasses, so a JobConfig is
+    a value once parse_config returns it."""
     object.__setattr__(section, key, value)
 
 
@@ -241,9 +241,10 @@ def known_keys() -> dict[str, Any]:
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
-    """The command line's (key, typed value) pairs, in order. Every key is ``--section.key``: with its value after
-    it or after '=', a boolean also alone (true) or as ``--section.no_key`` (false), a list comma-separated; dashes
-    in names read as underscores."""
+    """The command line's (key, typed value) pairs, in order.
+
+    Every key is ``--section.key``, with its value after it or after '='. A boolean may also stand alone (true) or be
+    given as ``--section.no_key`` (false). A list is comma-separated. Dashes in names read as underscores."""
     known = known_keys()
     out, i = [], 0
     while i < len(args):
@@ -289,7 +290,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
 
 
 def _typed(key: str, text: str, tp: Any) -> Any:
-    """``text`` as a value of ``tp``; ConfigError in the user's words."""
+    """``text`` as a value of ``tp``. Raises ConfigError in the user's words."""
     union = typing.get_origin(tp) in (typing.Union, types.UnionType)
     optional = union and type(None) in typing.get_args(tp)
     inner = [t for t in typing.get_args(tp) if t is not type(None)] if union else [tp]
@@ -336,8 +337,8 @@ def _typed(key: str, text: str, tp: Any) -> Any:
 
 
 def validate(cfg: JobConfig, check_data: bool = True) -> None:
-    """Checks that need more than types: each key's range (its field's rule, check_ranges), then the rules that
-    tie several keys, the model arguments and the data."""
+    """Runs the checks that need more than types. First each key's range (its field's rule, check_ranges), then the
+    rules that tie several keys together, then the model arguments and the data."""
     check_ranges(cfg)
     if cfg.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("metrics.enable_wandb needs the wandb package: pip install wandb")
@@ -385,8 +386,8 @@ def validate(cfg: JobConfig, check_data: bool = True) -> None:
 
 
 def check_dpo(cfg: JobConfig, check_data: bool = True) -> None:
-    """A DPO recipe ([dpo] path): its pairs are all it reads, one stage at a time; with ``check_data``, its files are
-    there."""
+    """Checks a DPO recipe (one with [dpo] path). Its pairs are all it reads, and it runs one stage at a time. With
+    ``check_data`` it also checks that its files exist."""
     d = cfg.dpo
     for refused, what in ((cfg.distill.teacher, "distill.teacher (distillation is another stage)"),
                           (cfg.data.path, "data.path (the pairs are dpo.path; [data] gives the tokenizer alone)"),
@@ -413,8 +414,8 @@ def check_dpo(cfg: JobConfig, check_data: bool = True) -> None:
 
 
 def check_ranges(cfg: JobConfig) -> None:
-    """Every key whose field in job_config carries a range rule (``ruled``): ConfigError, one line, for the first
-    value outside it, in the schema's order."""
+    """Checks every key whose field in job_config carries a range rule (``ruled``). Raises ConfigError, in one line, for
+    the first value outside its range, in the schema's order."""
     for section in fields(cfg):
         value = getattr(cfg, section.name)
         if not is_dataclass(value):
@@ -427,7 +428,7 @@ def check_ranges(cfg: JobConfig) -> None:
 
 
 def _check_numbers(cfg: JobConfig) -> None:
-    """The profiler's counts, checked where profiling is on (a recipe may leave them at anything otherwise)."""
+    """Checks the profiler's counts when profiling is on. Otherwise a recipe may leave them at any value."""
     checks = []
     if cfg.profiling.enable_profiling:
         p = cfg.profiling
@@ -443,8 +444,10 @@ FROM_CHECKPOINT = "checkpoint"  # model.flavor: the model arguments saved with c
 
 
 def model_args(cfg: JobConfig) -> ModelArgs:
-    """The flavor with the recipe's [model] keys applied, validated (pattern parsed once); for flavor
-    "checkpoint", the model arguments checkpoint.initial_load_path holds, with which the keys given must agree."""
+    """The model arguments of a recipe, validated, with the pattern parsed once.
+
+    For a named flavor, they are the flavor's with the recipe's [model] keys applied. For flavor "checkpoint", they are
+    the ones checkpoint.initial_load_path holds, and the keys given must agree with them."""
     m = cfg.model
     if m.flavor == FROM_CHECKPOINT:
         return _saved_model_args(cfg)
@@ -473,9 +476,10 @@ def model_args(cfg: JobConfig) -> ModelArgs:
 
 
 def _saved_model_args(cfg: JobConfig) -> ModelArgs:
-    """The model arguments of checkpoint.initial_load_path (a step folder's model_args.json, or a Hugging Face
-    folder's config), the recipe's [model] keys checked against them: a model of any shape trains without its
-    sizes copied into the recipe, and a recipe that says otherwise is refused, not silently overruled."""
+    """The model arguments of checkpoint.initial_load_path, with the recipe's [model] keys checked against them.
+
+    They come from a step folder's model_args.json or a Hugging Face folder's config. A model of any shape then trains
+    without its sizes copied into the recipe. A recipe that disagrees is refused, not silently overruled."""
     from hybridtitan.model_folder import read_folder
 
     path = cfg.checkpoint.initial_load_path
@@ -507,8 +511,8 @@ def _saved_model_args(cfg: JobConfig) -> ModelArgs:
 
 
 # The mixer and attention sections' defaults are the 300M flavors' sizes (dim 1024). A sublayer kind that a flavor
-# does not have (attention added by model.pattern, or another model.mixer) would be built with them at any width,
-# silently: refused unless some of its model.<section>.* keys are given.
+# does not have (attention added by model.pattern, or another model.mixer) would silently get them at any width.
+# Such a kind is refused unless some of its model.<section>.* keys are given.
 DEFAULT_SIZES_DIM = 1024
 
 
@@ -537,8 +541,10 @@ LOAD_BALANCER_LAYOUTS = {"headtail": "zigzag", None: "contiguous", "none": "cont
 
 
 def context_parallel_layout(cfg: JobConfig) -> str:
-    """The layout of a context-parallel sequence: parallelism.context_parallel_load_balancer "headtail" -> "zigzag"
-    (rank r holds chunks r and 2W - 1 - r), None (TOML: "none") -> "contiguous"; ConfigError for any other."""
+    """The layout of a context-parallel sequence, from parallelism.context_parallel_load_balancer.
+
+    "headtail" gives "zigzag": rank r holds chunks r and 2W - 1 - r. None (TOML: "none") gives "contiguous". Any other
+    value raises ConfigError."""
     balancer = cfg.parallelism.context_parallel_load_balancer
     key = balancer.lower() if balancer in ("none", "None", "NONE") else balancer
     if key not in LOAD_BALANCER_LAYOUTS:
@@ -548,15 +554,15 @@ def context_parallel_layout(cfg: JobConfig) -> str:
 
 
 def selective_ac_interval(cfg: JobConfig) -> int:
-    """Selective activation checkpointing wraps every N-th sublayer; 1 for the other modes."""
+    """Selective activation checkpointing wraps every N-th sublayer. Returns N, or 1 for the other modes."""
     if cfg.activation_checkpoint.mode != "selective":
         return 1
     return int(cfg.activation_checkpoint.selective_ac_option)
 
 
 def compiles(cfg: JobConfig, component: str) -> bool:
-    """Whether torch.compile covers ``component`` ("model": each sublayer, "loss": the cross-entropy chunks,
-    "norm": the RMSNorms with their residual adds, "swiglu": the MLPs' elementwise passes)."""
+    """Whether torch.compile covers ``component``. The components are "model" (each sublayer), "loss" (the cross-entropy
+    chunks), "norm" (the RMSNorms with their residual adds) and "swiglu" (the MLPs' elementwise passes)."""
     return cfg.compile.enable and component in cfg.compile.components
 
 

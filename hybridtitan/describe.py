@@ -4,9 +4,8 @@
     python -m hybridtitan.describe --list
     python -m hybridtitan.describe --config-reference      # docs/config-reference.md: every key, its default
 
-Prints the layer plan, parameters (total and non-embedding), training FLOPs per token counted per sublayer,
-and a memory estimate per device for the configured batch. ``--json`` prints one JSON object instead.
-"""
+It prints the layer plan, the parameters (total and non-embedding), the training FLOPs per token counted per sublayer,
+and a memory estimate per device for the configured batch. ``--json`` prints one JSON object instead."""
 
 from __future__ import annotations
 
@@ -40,8 +39,8 @@ GIB = 2**30
 
 
 def activation_elements_per_token(args, kind: str) -> int:
-    """Rough count of the activations a sublayer keeps for its backward, per token (inputs of every matrix
-    product and nonlinearity, the residual stream); the recurrent kernels keep about their inputs."""
+    """A rough count, per token, of the activations a sublayer keeps for its backward. It counts the inputs of every
+    matrix product and nonlinearity, and the residual stream. The recurrent kernels keep about their inputs."""
     d = args.dim
     if kind == "mlp":  # gate and up; silu(gate) * up is formed again in the backward (ops.swiglu_linear)
         return 2 * d + 2 * args.ffn_dim
@@ -65,14 +64,20 @@ def activation_elements_per_token(args, kind: str) -> int:
 
 
 def teacher_estimate(cfg: JobConfig, args, tokens: int, param_bytes: int) -> dict:
-    """What a distillation teacher ([distill]) adds to a device's memory, and the step's FLOPs with it: its 16-bit
-    parameters sharded (each module frees what it gathered after its forward), the copy of its output weight and
-    its final hidden states the KL reads, one MLP's activations of its forward at a time, its residual stream at
-    every sublayer for layer distillation, and the KL's chunks in place of the cross-entropy's: both models'
-    16-bit logits of distill.chunk_size tokens on GPUs (FLA's kernel: of up to an eighth of the tokens, and the
-    float32 gradient of the output weight), five float32 chunks more where it runs eagerly. {} without a teacher."""
+    """What a distillation teacher ([distill]) adds to a device's memory, and the step's FLOPs with it. Returns {}
+    without a teacher.
+
+    The estimate counts:
+
+    * its 16-bit parameters, sharded (each module frees what it gathered after its forward);
+    * the copy of its output weight, and its final hidden states, which the KL reads;
+    * the activations of one MLP of its forward at a time;
+    * its residual stream at every sublayer, for layer distillation;
+    * the KL's chunks in place of the cross-entropy's. On GPUs these are both models' 16-bit logits of
+      distill.chunk_size tokens. FLA's kernel instead holds logits of up to an eighth of the tokens, and the float32
+      gradient of the output weight. Where the KL runs eagerly, there are five float32 chunks more."""
     d = cfg.distill
-    if cfg.dpo.path:  # not estimated yet: said
+    if cfg.dpo.path:  # DPO's reference model and second rows are not estimated: the line says so
         return {"assumes": "; DPO's frozen reference (dpo.reference) is left out, and so is the second row of each "
                            "pair (a micro-batch of training.local_batch_size pairs is twice as many rows)"}
     if not d.teacher:
@@ -100,8 +105,8 @@ def teacher_estimate(cfg: JobConfig, args, tokens: int, param_bytes: int) -> dic
             chunk = min(tokens, d.chunk_size)
             eager = param_bytes != 2 or (d.ce_weight and d.temperature != 1)
             loss_bytes = chunk * t.vocab_size * (2 * param_bytes + (5 * 4 if eager else 0))
-    # host memory of a rank while it reads the teacher (model_loader.load_into_shards): its shard, and a stored
-    # tensor in flight twice (DCP's reader holds its bytes and the tensor made of them), the largest the embedding
+    # host memory of a rank while it reads the teacher (model_loader.load_into_shards): its shard, plus one stored
+    # tensor held twice (DCP's reader holds its bytes and the tensor made of them), the largest being the embedding
     host = counts["total"] * param_bytes / shard + 2 * t.vocab_size * t.dim * param_bytes
     return {"bytes": total, "loss_bytes": loss_bytes, "host_bytes": host, "whole_bytes": counts["total"] * param_bytes,
             "flops_per_token": training_flops_per_token(args, cfg.training.seq_len, d, Teacher(d.teacher, t)),
@@ -132,15 +137,15 @@ def describe(cfg: JobConfig) -> dict:
         kept = ac == "none" or (ac == "selective" and i % every != 0)
         act += activation_elements_per_token(args, kind) if kept else args.dim
     act_bytes = act * tokens * on_gpu_bytes + tokens * args.dim * 4
-    # one chunk of 16-bit logits: on GPUs (16-bit runs) our kernel writes their gradient over them; compiled, the
-    # gradient is a second chunk; eagerly there is also a float32 copy
+    # one chunk of 16-bit logits. On GPUs (16-bit runs) our kernel writes their gradient over them. Compiled, the
+    # gradient is a second chunk. Eagerly there is also a float32 copy.
     if compiles(cfg, "loss"):
         loss_chunk_bytes = 4
     else:
         loss_chunk_bytes = 2 if on_gpu_bytes == 2 else 8
     loss_bytes = min(tokens, t.loss_chunk_size) * args.vocab_size * loss_chunk_bytes
-    # fp32 parameters, gradients and two AdamW moments, sharded; where nothing reshards after the forward pass
-    # (one shard with the default policy, or "never"), the gathered 16-bit copy of every parameter too
+    # fp32 parameters, gradients and two AdamW moments, sharded. Where nothing reshards after the forward pass
+    # (one shard with the default policy, or "never"), add the gathered 16-bit copy of every parameter.
     kept_gathered = not reshard_after_forward_for(cfg.parallelism.fsdp_reshard_after_forward, 0, args.n_layers, shard)
     unknown_degree = cfg.parallelism.data_parallel_shard_degree == -1
     states = counts["total"] * 16 / shard + (counts["total"] * on_gpu_bytes if kept_gathered else 0)
@@ -206,9 +211,11 @@ def _print_table(d: dict) -> None:
 
 
 def batch_plan(cfg: JobConfig, world_size: int) -> dict:
-    """The batch arithmetic of a recipe on ``world_size`` ranks: the data-parallel layout, whether the global batch
-    divides into local batches of every rank (and micro-batches), and, where it does not, the largest local batch
-    up to the recipe's that does, with its gradient accumulation. {"problem": ...} for a layout that cannot be."""
+    """The batch arithmetic of a recipe on ``world_size`` ranks.
+
+    It gives the data-parallel layout, and whether the global batch divides into every rank's local batches and
+    micro-batches. Where it does not, it gives the largest local batch, up to the recipe's, that does, with its gradient
+    accumulation. A layout that cannot exist gives {"problem": ...}."""
     from hybridtitan.parallel import resolve_data_parallel
 
     p = cfg.parallelism
@@ -258,7 +265,7 @@ def plan_lines(cfg: JobConfig, plan: dict, nodes: int | None, data_problem: str 
 
 
 def data_problem(cfg: JobConfig) -> str | None:
-    """The trainer's checks of the data before a run (files, manifests, tokenizer, held-out overlap), here: the
+    """Runs the trainer's checks of the data before a run: files, manifests, tokenizer, held-out overlap. Returns the
     problem in one line, or None."""
     from hybridtitan.config_manager import validate
     from hybridtitan.data import build_tokenizer

@@ -1,4 +1,4 @@
-"""Distillation in the train loop: a frozen teacher beside the student, and the losses the recipe's [distill]
+"""Distillation in the train loop: a frozen teacher beside the student, and the losses that the recipe's [distill]
 section weighs (Zebra-Llama's and HyLo's recipes; docs/upcycling.md).
 
     teacher = check_teacher(cfg, student_args, tokenizer)     preflight: a teacher that does not fit the student
@@ -7,19 +7,20 @@ section weighs (Zebra-Llama's and HyLo's recipes; docs/upcycling.md).
     for loss, parts in distiller.losses(model, batch):        a micro-batch: the teacher's forward without
         loss.backward()                                       gradients, then the student's forward(s)
 
-The teacher is a HybridLM like the student (a Llama is a pattern of grouped-query attention and MLPs), built and
-sharded with FSDP2 the same way, its parameters in the training's 16-bit dtype on GPUs: it takes no gradient, has
-no optimizer state and is never in a checkpoint (it is read again from its folder on a resume). Per micro-batch:
+The teacher is a HybridLM like the student; a Llama is a pattern of grouped-query attention and MLPs. It is built and
+sharded with FSDP2 the same way, with its parameters in the training's 16-bit dtype on GPUs. It takes no gradient, has
+no optimizer state and is never in a checkpoint; a resume reads it again from its folder.
 
-* KL and cross-entropy (kl_weight, ce_weight): the student's forward ends in ``ops.linear_kl_div`` over its final
-  hidden states and output weight and the teacher's, a chunk of tokens at a time;
-* layer distillation (layer_weight): the student's ``teacher_forced`` forward, each block fed the teacher's stream,
-  and per block the L2 distance of its output and of its mixing sublayer's output from the teacher's
-  (``ops.layer_distance``), summed over the blocks.
+Each micro-batch has these losses:
 
-Each is a sum over the counted tokens (the EOD mask and ignored labels as for the cross-entropy), which the loop
-divides by the global batch's count: the same step for any split into micro-batches and ranks.
-"""
+* KL and cross-entropy (kl_weight, ce_weight). The student's forward ends in ``ops.linear_kl_div`` over its final
+  hidden states and output weight and the teacher's, one chunk of tokens at a time.
+* Layer distillation (layer_weight). The student runs its ``teacher_forced`` forward, with each block fed the
+  teacher's stream. Per block, it takes the L2 distance of the block's output, and of its mixing sublayer's
+  output, from the teacher's (``ops.layer_distance``), summed over the blocks.
+
+Each loss is a sum over the counted tokens, with the EOD mask and ignored labels as for the cross-entropy. The loop
+divides it by the global batch's count. So the step is the same for any split into micro-batches and ranks."""
 
 from __future__ import annotations
 
@@ -52,8 +53,8 @@ class Teacher:
 
 
 def check_frozen(path: str, key: str, cfg: JobConfig, student: ModelArgs, tokenizer) -> Teacher:
-    """A frozen model beside the student (recipe key ``key``), checked without reading its weights: a model folder
-    that loads, of the student's vocabulary size and tokenizer. ConfigError (one line) otherwise."""
+    """Checks a frozen model beside the student (recipe key ``key``) without reading its weights. It must be a model
+    folder that loads, with the student's vocabulary size and tokenizer. Raises ConfigError (one line) otherwise."""
     # imported here: the Hugging Face side (a second of start-up) only where a frozen model is read
     from hybridtitan.checkpoint import CheckpointError
     from hybridtitan.hf.convert import load_tokenizer
@@ -78,9 +79,9 @@ def check_frozen(path: str, key: str, cfg: JobConfig, student: ModelArgs, tokeni
 
 
 def check_teacher(cfg: JobConfig, student: ModelArgs, tokenizer) -> Teacher | None:
-    """The [distill] teacher, checked against the student without reading its weights (check_frozen), and for layer
-    distillation the same sublayer structure and width. ConfigError (one line) otherwise; None where the recipe
-    names no teacher."""
+    """The [distill] teacher, checked against the student without reading its weights (check_frozen). For layer
+    distillation it must also have the same sublayer structure and width. Raises ConfigError (one line) otherwise.
+    Returns None where the recipe names no teacher."""
     d = cfg.distill
     if not d.teacher:
         return None
@@ -99,9 +100,11 @@ def check_teacher(cfg: JobConfig, student: ModelArgs, tokenizer) -> Teacher | No
 
 
 def training_flops_per_token(args, seq_len: int, d, teacher) -> float:
-    """The training FLOPs per token of a step (models/flops.py): the student's forward and backward, and with a
-    teacher (hybridtitan.distill) its forward without the output layer, the teacher's logits the KL forms, and
-    for layer distillation the student's teacher-forced pass over its sublayers (no output layer)."""
+    """The training FLOPs per token of a step (models/flops.py).
+
+    They are the student's forward and backward. With a teacher (hybridtitan.distill) they add its forward without the
+    output layer, and the teacher's logits that the KL forms. For layer distillation they add the student's
+    teacher-forced pass over its sublayers, without the output layer."""
     student = flops_per_token(args, seq_len)
     if teacher is None:
         return student["total"]
@@ -120,10 +123,11 @@ def _keep(hidden: torch.Tensor, output_weight: torch.Tensor):
 
 
 def frozen_model(frozen: Teacher, mesh, device: torch.device, kernels, param_dtype: torch.dtype):
-    """(model, how to name its source, its parameter count): a frozen model (a teacher, a reference) built and
-    sharded with FSDP2 as the student is, in ``param_dtype``, each rank reading its shard of the weights alone
-    (model_loader.load_into_shards), never the whole. It takes no gradient, has no optimizer state and is never in
-    a checkpoint (it is read again from its folder on a resume)."""
+    """(model, how to name its source, its parameter count) of a frozen model, such as a teacher or a reference.
+
+    It is built and sharded with FSDP2 as the student is, in ``param_dtype``. Each rank reads only its shard of the
+    weights (model_loader.load_into_shards), never the whole. It takes no gradient, has no optimizer state and is never
+    in a checkpoint; a resume reads it again from its folder."""
     from hybridtitan.model_loader import load_into_shards
     from hybridtitan.models import build_model
     from hybridtitan.parallel import parallelize
@@ -149,15 +153,16 @@ class Distiller:
 
     @torch.no_grad()
     def teacher_forward(self, batch: dict, collect: bool):
-        """The teacher's final hidden states, output weight and (``collect``) residual stream at every sublayer."""
+        """The teacher's final hidden states, its output weight and, with ``collect``, its residual stream at every
+        sublayer."""
         streams = StreamRecord() if collect else None
         hidden, weight = self.teacher(batch["input_ids"], cu_seqlens=batch.get("cu_seqlens"), head=_keep,
                                       collect=streams)
         return hidden, weight, streams
 
     def losses(self, model, batch: dict) -> list[tuple[torch.Tensor, dict]]:
-        """(summed weighted loss, {part: summed value}) per student forward of this micro-batch, each to be
-        backpropagated: the KL / cross-entropy forward, the layer-distillation forward, or both."""
+        """(summed weighted loss, {part: summed value}) for each student forward of this micro-batch, each to be
+        backpropagated. The forwards are the KL and cross-entropy forward, the layer-distillation forward, or both."""
         d = self.d
         hidden, weight, streams = self.teacher_forward(batch, collect=bool(d.layer_weight))
         out = []

@@ -1,21 +1,20 @@
-"""DPO in the train loop (the third upcycling stage; docs/dpo.md): a frozen reference beside the student, and the
-sigmoid DPO loss of preference pairs (hybridtitan.ops.dpo) over the responses' summed log-probabilities.
+"""DPO in the train loop, the third upcycling stage (docs/dpo.md). A frozen reference sits beside the student, and the
+loss is the sigmoid DPO loss of preference pairs (hybridtitan.ops.dpo) over the responses' summed log-probabilities.
 
     reference = check_reference(cfg, student_args, tokenizer, start)    preflight: one line, exit code 2
     optimizer = PreferenceOptimizer(cfg.dpo, reference, mesh, ...)       the Trainer: the reference sharded as a
     for loss, parts in optimizer.losses(model, batch):                   distillation teacher (distill.frozen_model)
         loss.backward()
 
-A micro-batch holds B pairs as 2B rows (hybridtitan.data.preference: the chosen rows, then the rejected), whose
-labels count the responses' tokens alone. The reference's forward runs without gradients; the student's over all
-2B rows at once. The loss is summed over the pairs, which the loop divides by the global batch's count of pairs:
-the same step for any split into micro-batches and ranks.
+A micro-batch holds B pairs as 2B rows: the chosen rows, then the rejected ones (hybridtitan.data.preference). Their
+labels count only the responses' tokens. The reference's forward runs without gradients, and the student's runs over all
+2B rows at once. The loss is summed over the pairs, and the loop divides it by the global batch's count of pairs. So the
+step is the same for any split into micro-batches and ranks.
 
-The reference is by default the checkpoint the stage starts from (the run's own step-0, else
-checkpoint.initial_load_path, as preflight.choose_start), resolved to a step folder once: the run's job config
-records that folder as dpo.reference, and a resume reads it there (a newer step in the folder initial_load_path
-names does not change the reference mid-run).
-"""
+By default the reference is the checkpoint the stage starts from: the run's own step-0, else
+checkpoint.initial_load_path, as in preflight.choose_start. It is resolved to a step folder once. The run's job config
+records that folder as dpo.reference, and a resume reads it there. So a newer step in the folder that initial_load_path
+names does not change the reference mid-run."""
 
 from __future__ import annotations
 
@@ -65,8 +64,8 @@ def reference_path(cfg: JobConfig, start) -> str:
 
 
 def check_reference(cfg: JobConfig, student: ModelArgs, tokenizer, start) -> Teacher | None:
-    """The frozen reference of a DPO run, checked as a distillation teacher is (distill.check_frozen); None where
-    the recipe is not DPO."""
+    """The frozen reference of a DPO run, checked as a distillation teacher is (distill.check_frozen). None where the
+    recipe is not DPO."""
     if not cfg.dpo.path:
         return None
     return check_frozen(reference_path(cfg, start), "dpo.reference", cfg, student, tokenizer)
@@ -74,7 +73,7 @@ def check_reference(cfg: JobConfig, student: ModelArgs, tokenizer, start) -> Tea
 
 def dpo_flops_per_token(args, seq_len: int, reference: Teacher) -> float:
     """The training FLOPs per token of a DPO step: the student's forward and backward and the reference's forward
-    (models/flops.py; the output layer formed on the response tokens alone is counted whole)."""
+    (models/flops.py). The output layer is counted whole, although it is formed on the response tokens alone."""
     from hybridtitan.models.flops import flops_per_token
 
     return flops_per_token(args, seq_len)["total"] + flops_per_token(reference.args, seq_len)["total"] / 3
@@ -104,16 +103,16 @@ class PreferenceOptimizer:
         return dpo_loss(policy[:pairs], policy[pairs:], ref[:pairs], ref[pairs:], self.d.beta)
 
     def losses(self, model, batch: dict) -> list[tuple[torch.Tensor, dict]]:
-        """[(summed DPO loss over the pairs, {term: summed value})]: one forward of the student."""
+        """[(the DPO loss summed over the pairs, {term: summed value})] from one forward of the student."""
         loss, chosen, rejected = self._pairs(model, batch)
         margin = chosen - rejected
         return [(loss.sum(), dict(zip(TRAIN_PARTS, ((margin > 0).float().sum(), margin.sum()))))]
 
     @torch.no_grad()
     def held_out(self, model, batch: dict) -> torch.Tensor:
-        """[loss, accuracy, margin, chosen reward, rejected reward, pairs], summed over a held-out batch's pairs:
-        the accuracy counts the pairs whose chosen response the student prefers more than the reference does
-        (a positive margin)."""
+        """[loss, accuracy, margin, chosen reward, rejected reward, pairs], summed over a held-out batch's pairs. The
+        accuracy counts the pairs whose chosen response the student prefers more than the reference does (a positive
+        margin)."""
         loss, chosen, rejected = self._pairs(model, batch)
         margin = chosen - rejected
         return torch.stack([loss.sum(), (margin > 0).float().sum(), margin.sum(), chosen.sum(), rejected.sum(),

@@ -4,16 +4,17 @@
     python -m hybridtitan.eval --checkpoint hf/gdn_300M --tasks my_task --include_path my_tasks/ --limit 100
     torchrun --nproc_per_node 8 -m hybridtitan.eval --checkpoint ... --tasks ... --batch_size auto
 
-The model is always HybridLM (our own code, which runs on CPU too): a DCP folder is read directly; an HF folder --
-our own export, or an FLA GatedDeltaNet/KDA checkpoint through the reverse name mapping -- is loaded into it.
-loglikelihood, loglikelihood_rolling and generate_until are batched; generation is greedy and decodes with the
-recurrent/MLA cache. Prints lm-eval's table and writes its JSON to --output_path. --include_path takes local task
-YAMLs, as lm-eval does. --batch_size auto (or auto:N, as lm-eval) picks the largest batch that fits.
+The model is always HybridLM, our own code, which runs on CPU too. A DCP folder is read directly. An HF folder is loaded
+into it: our own export, or an FLA GatedDeltaNet/KDA checkpoint through the reverse name mapping. loglikelihood,
+loglikelihood_rolling and generate_until are batched. Generation is greedy and decodes with the recurrent and MLA
+caches.
 
-Under torchrun every rank loads the model (cuda:LOCAL_RANK on GPUs, CPU over gloo otherwise) and scores its share
-of the batches; rank 0 prints and writes the results, which are those of one process, sample for sample. The
-lm-eval model itself is hybridtitan.lm_eval_model; the model is read by hybridtitan.model_loader.
-"""
+It prints lm-eval's table and writes its JSON to --output_path. --include_path takes local task YAMLs, as lm-eval does.
+--batch_size auto (or auto:N, as in lm-eval) picks the largest batch that fits.
+
+Under torchrun every rank loads the model (on cuda:LOCAL_RANK on GPUs, otherwise on the CPU over gloo) and scores its
+share of the batches. Rank 0 prints and writes the results, which equal those of one process, sample for sample. The
+lm-eval model itself is hybridtitan.lm_eval_model, and hybridtitan.model_loader reads the model."""
 
 from __future__ import annotations
 
@@ -39,10 +40,12 @@ from hybridtitan.lm_eval_model import (
 
 
 def results_file(path: str, overwrite: bool = False, create: bool = False) -> str:
-    """The file --output_path names: the path itself, or a new results_<time>.json in a folder (one that exists,
-    or a path ending with a separator). Checked before the evaluation, so that a bad path fails before the work
-    rather than after it; the folders are made only with ``create`` (when writing). EvalError for an existing
-    file without ``overwrite``, or where no folder can be made."""
+    """The file --output_path names: the path itself, or a new results_<time>.json in a folder. A folder is one that
+    exists, or a path ending with a separator.
+
+    It is checked before the evaluation, so that a bad path fails before the work, not after it. The folders are made
+    only with ``create``, when writing. Raises EvalError for an existing file without ``overwrite``, or where no folder
+    can be made."""
     folder_form = os.path.isdir(path) or path.endswith(("/", os.sep))
     folder = os.path.abspath(path if folder_form else os.path.dirname(os.path.abspath(path)))
     if not folder_form and os.path.exists(path) and not overwrite:
@@ -178,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _evaluate_main(args, tasks, task_manager, *, device: str, dtype: str, world: int, rank: int, tuned) -> None:
-    """The evaluation itself; ``tuned``: the kernel configurations in use (hybridtitan.ops.kernel_configs.Choice)."""
+    """The evaluation itself. ``tuned`` holds the kernel configurations in use (hybridtitan.ops.kernel_configs.Choice).
+    """
     from hybridtitan.model_loader import load
 
     with one_line_errors():

@@ -2,20 +2,25 @@
 
     python -m hybridtitan.export_hf --checkpoint outputs/gdn_300M/checkpoint/step-4768 --output hf/gdn_300M
 
-Reads the model tensors straight from the DCP folder (a step folder, a checkpoint folder or a dump folder: the
-latest complete step, or --step N). A Llama (grouped-query attention and MLPs alone) is written as transformers'
-LlamaForCausalLM; pure GDN and KDA models in FLA's own layouts (GatedDeltaNetForCausalLM, KDAForCausalLM:
-``import fla`` and ``AutoModelForCausalLM.from_pretrained`` load them without hybridtitan); every other model (MLA
-hybrids, Mamba2) in hybridtitan's own layout (``model_type: hybridtitan``). That folder carries the package's own
-model code, its modules written flat beside config.json (hybridtitan.hf.remote) and named by ``auto_map``: it loads
-with ``trust_remote_code=True`` where only torch and transformers are installed (FLA's kernels on GPUs where it
-imports) and runs exactly what hybridtitan runs; where hybridtitan is imported, its registered classes load it.
-``--format hybridtitan`` writes a GDN/KDA model in our layout too.
+The model tensors are read straight from the DCP folder. It may be a step folder, a checkpoint folder or a dump folder;
+the latter two give the latest complete step, or --step N.
 
-The folder is written next to the output under a temporary name and renamed into place once complete, so an
-interrupted export leaves nothing that looks finished. An existing output folder that is not empty is refused;
---overwrite replaces an earlier export (only the files an export writes), never a folder of other things.
-"""
+The layout depends on the model:
+
+* A Llama (grouped-query attention and MLPs alone) is written as transformers' LlamaForCausalLM.
+* Pure GDN and KDA models are written in FLA's own layouts (GatedDeltaNetForCausalLM, KDAForCausalLM).
+  ``import fla`` and ``AutoModelForCausalLM.from_pretrained`` load them without hybridtitan.
+* Every other model (MLA hybrids, Mamba2) is written in hybridtitan's own layout (``model_type: hybridtitan``).
+
+A folder in hybridtitan's layout carries the package's own model code. Its modules are written flat beside config.json
+(hybridtitan.hf.remote) and named by ``auto_map``. It loads with ``trust_remote_code=True`` where only torch and
+transformers are installed, using FLA's kernels on GPUs where FLA imports, and it runs exactly what hybridtitan runs.
+Where hybridtitan is imported, its registered classes load the folder. ``--format hybridtitan`` writes a GDN or KDA
+model in our layout too.
+
+The folder is written next to the output under a temporary name and renamed into place once complete. So an interrupted
+export leaves nothing that looks finished. An existing output folder that is not empty is refused. --overwrite replaces
+an earlier export (only the files an export writes), never a folder of other things."""
 
 from __future__ import annotations
 
@@ -43,8 +48,8 @@ def _max_position_embeddings(step_dir: str) -> int:
 def export(checkpoint: str, output: str, *, step: int | None = None, dtype: str = "bfloat16",
            tokenizer: str | None = None, overwrite: bool = False, format: str = "auto",
            max_shard_size: int | None = None) -> str:
-    """Writes the Hugging Face folder ``output`` from a DCP checkpoint; returns the layout written ("llama", "fla"
-    or "hybridtitan"). Raises CheckpointError / ConversionError (one line) on bad input, before writing anything."""
+    """Writes the Hugging Face folder ``output`` from a DCP checkpoint. Returns the layout written: "llama", "fla" or
+    "hybridtitan". Raises CheckpointError or ConversionError, in one line, on bad input, before anything is written."""
     import torch
 
     from hybridtitan.checkpoint import read_dcp_model_state
@@ -119,9 +124,11 @@ def export(checkpoint: str, output: str, *, step: int | None = None, dtype: str 
 
 
 def _portable_tokenizer_config(folder: str) -> None:
-    """The saved tokenizer_config.json without what describes this machine's load (transformers records
-    is_local / local_files_only from it) and with the class name transformers 4 knows too (transformers 5 writes
-    its internal "TokenizersBackend"; "PreTrainedTokenizerFast" names the same class there)."""
+    """The saved tokenizer_config.json, made portable.
+
+    It drops what describes this machine's load (transformers records is_local and local_files_only from it). It also
+    names the class so that transformers 4 knows it too. transformers 5 writes its internal "TokenizersBackend", and
+    "PreTrainedTokenizerFast" names the same class there."""
     path = os.path.join(folder, "tokenizer_config.json")
     with open(path) as f:
         config = json.load(f)

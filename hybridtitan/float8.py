@@ -1,28 +1,28 @@
 """Float8 training of the linear layers with torchao: torchtitan's ``quantize.linear.float8`` converter.
 
 A recipe turns it on with ``model.converters = ["quantize.linear.float8"]`` and configures it in the section
-``[quantize.linear.float8]`` (torchtitan 0.2.2's keys, ``Float8Settings``). The model stays a plain nn.Module: the
+``[quantize.linear.float8]``, with torchtitan 0.2.2's keys (``Float8Settings``). The model stays a plain nn.Module. The
 conversion swaps torchao's ``Float8Linear`` in for chosen ``nn.Linear`` modules from outside, before FSDP and
-torch.compile wrap it (as torchtitan converts). A Float8Linear keeps its weight as the same high-precision
-parameter and casts weight, input and output gradient to float8 inside each matrix product, so checkpoints hold the
-plain weights and load into a model with or without float8.
+torch.compile wrap the model, as torchtitan converts. A Float8Linear keeps its weight as the same high-precision
+parameter. It casts the weight, the input and the output gradient to float8 inside each matrix product. So checkpoints
+hold the plain weights, and they load into a model with or without float8.
 
-Which linears convert (``plan_float8``): those whose GEMM float8 speeds up. Kept in high precision, with the reason:
+``plan_float8`` converts the linears whose GEMM float8 speeds up. These stay in high precision, each with its reason:
 
-- the output layer (``lm_head``): the loss reads its weight (fused linear cross-entropy), never calls it;
+- the output layer (``lm_head``), because the loss reads its weight (fused linear cross-entropy) and never calls
+  it;
 - any module whose name contains an entry of ``filter_fqns``;
 - shapes float8 GEMMs cannot take (a dimension not divisible by 16);
-- GEMMs too small to gain (torchao's auto-filter thresholds for the recipe, ``too_small_for_float8``). The per-head
-  gate projections of GDN and KDA (a_proj, b_proj: as many outputs as heads) always fall here.
+- GEMMs too small to gain (torchao's auto-filter thresholds for the recipe, ``too_small_for_float8``). The
+  per-head gate projections of GDN and KDA (a_proj and b_proj, with as many outputs as heads) always fall here.
 
-Embeddings, norms, convolutions and the recurrent kernels are no nn.Linear and never convert. A converted linear
-runs as itself: the models read weights into a fused product (``models.modules.fused_linear``, the SwiGLU's
+Embeddings, norms, convolutions and the recurrent kernels are not nn.Linear and never convert. A converted linear runs
+as itself. The models read weights into a fused product (``models.modules.fused_linear``, the SwiGLU's
 ``ops.swiglu_linear``) only while every linear involved is a plain nn.Linear (``models.modules.is_plain_linear``).
 
-``float8_refusal`` says in one line why float8 cannot run (hardware, torchao missing, contradictory settings);
-``float8_warnings`` what will run but slowly or not as set; ``precompute_float8_scales`` is the post-optimizer step
-of float8 all-gather under FSDP.
-"""
+``float8_refusal`` says in one line why float8 cannot run: hardware, torchao missing, or contradictory settings.
+``float8_warnings`` says what will run, but slowly or not as set. ``precompute_float8_scales`` is the post-optimizer
+step of float8 all-gather under FSDP."""
 
 from __future__ import annotations
 
@@ -37,13 +37,13 @@ import torch.nn as nn
 CONVERTER = "quantize.linear.float8"
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 TORCHAO_INSTALL = "pip install torchao==0.18.0"
-# torchtitan's flag in filter_fqns that turns on torchao's size filter; here the size filter is always on, so the
-# flag is accepted (recipes written for torchtitan) and matches no module
+# torchtitan's flag in filter_fqns that turns on torchao's size filter. Here the size filter is always on, so the
+# flag is accepted (for recipes written for torchtitan) and matches no module.
 AUTO_FILTER_FLAG = "auto_filter_small_kn"
 
 @dataclass
 class Float8Settings:
-    """The section ``[quantize.linear.float8]``, torchtitan's keys: ``Float8Settings(**section)``."""
+    """The section ``[quantize.linear.float8]`` with torchtitan's keys: ``Float8Settings(**section)``."""
 
     recipe_name: str | None = None  # "tensorwise" (None), "rowwise" or "rowwise_with_gw_hp"
     filter_fqns: list[str] = field(default_factory=list)  # module-name substrings kept in high precision
@@ -63,7 +63,7 @@ def float8_settings(cfg) -> Float8Settings:
 
 @dataclass
 class Float8Conversion:
-    """What a conversion did (or would do): the converted linears, the kept ones with the reason, and whether the
+    """What a conversion did or would do: the converted linears, the kept ones with their reasons, and whether the
     optimizer step must precompute the float8 weight scales (``precompute_float8_scales``)."""
 
     recipe: str
@@ -75,8 +75,8 @@ class Float8Conversion:
     flops_share: float = 0.0  # of the linear layers' matrix-product FLOPs (weight sizes), the output layer apart
 
     def summary(self) -> list[str]:
-        """One line per kind of linear (the sublayer index dropped: ``layers.*.mlp.up_proj``) and reason, converted
-        first, for the trainer's log and ``describe``."""
+        """One line per kind of linear and reason, converted ones first, for the trainer's log and ``describe``. The
+        sublayer index is dropped, as in ``layers.*.mlp.up_proj``."""
         total = len(self.converted) + len(self.kept)
         lines = [f"float8 ({self.recipe}): {len(self.converted)} of {total} linear layers converted, "
                  f"{self.flops_share:.1%} of their matrix-product FLOPs (the output layer apart)"]
@@ -91,10 +91,12 @@ def _kind(name: str) -> str:
 
 
 def too_small_for_float8(recipe: str, out_features: int, in_features: int) -> bool:
-    """Whether a GEMM with this weight [N=out_features, K=in_features] is too small to be faster in float8 than in
-    bf16: the thresholds of torchao 0.18's ``_auto_filter_for_recipe`` (H100 benchmarks of torchao; the casts to
-    float8 cost about as much as the small product saves). torchao has none for rowwise_with_gw_hp: it keeps the
-    grad_weight product in bf16, so it gains less than rowwise on every shape and rowwise's thresholds apply."""
+    """Whether a GEMM with this weight [N=out_features, K=in_features] is too small to be faster in float8 than in bf16.
+
+    The thresholds are those of torchao 0.18's ``_auto_filter_for_recipe``, from torchao's H100 benchmarks. For small
+    products the casts to float8 cost about as much as the product saves. torchao has no thresholds for
+    rowwise_with_gw_hp. That recipe keeps the grad_weight product in bf16, so it gains less than rowwise on every shape,
+    and rowwise's thresholds apply."""
     N, K = out_features, in_features
     if recipe == "tensorwise":
         return K <= 4096 and N <= 1024
@@ -103,11 +105,12 @@ def too_small_for_float8(recipe: str, out_features: int, in_features: int) -> bo
 
 def plan_float8(model: nn.Module, settings: Float8Settings, *, fsdp_sharded: bool = False,
                 size_filter: bool = True) -> Float8Conversion:
-    """Which nn.Linear of ``model`` convert to Float8Linear and why each other one stays, without converting
-    (preflight, ``describe`` and the trainer's log; torchao need not be installed). Float8 all-gather takes effect
-    only where FSDP shards the weights (``fsdp_sharded``), as in torchtitan; the plan says whether the optimizer
-    step must precompute the scales. ``size_filter=False`` lifts the size thresholds only, to exercise float8 on
-    toy shapes (tests); the divisibility by 16 still holds."""
+    """Which nn.Linear modules of ``model`` convert to Float8Linear, and why each other one stays. Nothing is converted.
+    Preflight, ``describe`` and the trainer's log use the plan; torchao need not be installed.
+
+    Float8 all-gather takes effect only where FSDP shards the weights (``fsdp_sharded``), as in torchtitan. The plan
+    says whether the optimizer step must precompute the scales. ``size_filter=False`` lifts only the size thresholds, so
+    that tests can exercise float8 on toy shapes; the divisibility by 16 still holds."""
     fqn_filters = [f for f in settings.filter_fqns if f != AUTO_FILTER_FLAG]
     converted, kept = [], {}
     all_flops = converted_flops = 0
@@ -135,7 +138,8 @@ def plan_float8(model: nn.Module, settings: Float8Settings, *, fsdp_sharded: boo
 
 
 def torchao_float8_config(conversion: Float8Conversion):
-    """torchao's Float8LinearConfig for the recipe (torchtitan's choice: the recipe's config, emulation as set)."""
+    """torchao's Float8LinearConfig for the recipe. As torchtitan chooses, it is the recipe's config, with emulation as
+    set."""
     from torchao.float8 import Float8LinearConfig
 
     if conversion.recipe == "tensorwise":
@@ -145,9 +149,9 @@ def torchao_float8_config(conversion: Float8Conversion):
 
 
 def apply_float8(model: nn.Module, conversion: Float8Conversion) -> None:
-    """Swap Float8Linear in for the linears the plan converts, in place; before FSDP and torch.compile wrap the
-    model (on the meta device is fine: the weights are taken over as they are). Check ``float8_refusal`` first:
-    this raises ImportError without torchao."""
+    """Swaps Float8Linear in, in place, for the linears the plan converts. Run it before FSDP and torch.compile wrap the
+    model. The meta device is fine, because the weights are taken over as they are. Check ``float8_refusal`` first: this
+    raises ImportError without torchao."""
     from torchao.float8 import convert_to_float8_training
 
     if conversion.recipe == "rowwise":
@@ -170,9 +174,10 @@ def convert_to_float8(model: nn.Module, settings: Float8Settings, *, fsdp_sharde
 
 
 def precompute_float8_scales(model_parts: nn.Module | list[nn.Module], conversion: Float8Conversion) -> None:
-    """The post-optimizer step of float8 all-gather (torchtitan's Float8LinearConverter.post_optimizer_hook): the
-    float8 scales of every sharded weight from one all-reduce of their amax, instead of one per weight at the next
-    all-gather. Call after ``optimizer.step()``; nothing unless the conversion asks for it."""
+    """The post-optimizer step of float8 all-gather (torchtitan's Float8LinearConverter.post_optimizer_hook).
+
+    It computes the float8 scales of every sharded weight from one all-reduce of their amax, instead of one per weight
+    at the next all-gather. Call it after ``optimizer.step()``. It does nothing unless the conversion asks for it."""
     if not conversion.precompute_scales:
         return
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
@@ -189,8 +194,8 @@ def torchao_installed() -> bool:
     return True
 
 
-# AMD GPUs whose matrix cores do float8 (PyTorch's torch._scaled_mm on ROCm; torchao's float8 dtypes):
-# MI300 series (CDNA3) the FNUZ variants float8_e4m3fnuz / e5m2fnuz, MI350 series (CDNA4) and RDNA4 the OCP ones.
+# AMD GPUs whose matrix cores do float8 (PyTorch's torch._scaled_mm on ROCm; torchao's float8 dtypes). The MI300
+# series (CDNA3) uses the FNUZ variants float8_e4m3fnuz / e5m2fnuz; the MI350 series (CDNA4) and RDNA4 the OCP ones.
 ROCM_FLOAT8_ARCHS = {
     "gfx940": "MI300 (FP8 e4m3fnuz)", "gfx941": "MI300 (FP8 e4m3fnuz)", "gfx942": "MI300X/MI325X (FP8 e4m3fnuz)",
     "gfx950": "MI350X/MI355X (OCP FP8 e4m3fn)",
@@ -203,10 +208,14 @@ def float8_refusal(settings: Float8Settings, *, device_type: str, capability: tu
                    ) -> str | None:
     """One line saying why float8 training cannot run with these settings on this device, or None.
 
-    ``device_type``: the torch device type ("cpu", "cuda"; ROCm GPUs are "cuda" too); ``capability``: an NVIDIA
-    GPU's compute capability; ``gcn_arch``: a ROCm GPU's architecture (torch.cuda.get_device_properties().
-    gcnArchName, e.g. "gfx942:sramecc+:xnack-"), None on NVIDIA; ``compiled``: torch.compile covers the model;
-    ``torchao_present``: None to look. ``float8_refusal_here`` reads these from a torch device."""
+    - ``device_type``: the torch device type ("cpu", "cuda"; ROCm GPUs are "cuda" too).
+    - ``capability``: an NVIDIA GPU's compute capability.
+    - ``gcn_arch``: a ROCm GPU's architecture (torch.cuda.get_device_properties().gcnArchName, such as
+      "gfx942:sramecc+:xnack-"), None on NVIDIA.
+    - ``compiled``: whether torch.compile covers the model.
+    - ``torchao_present``: None to look it up.
+
+    ``float8_refusal_here`` reads these from a torch device."""
     key = "quantize.linear.float8"
     if settings.recipe not in RECIPES:
         return f"{key}.recipe_name must be one of {', '.join(RECIPES)} (or unset: tensorwise), got {settings.recipe!r}"
@@ -261,8 +270,8 @@ def float8_refusal_here(settings: Float8Settings, device: torch.device, *, compi
 
 
 def float8_warnings(settings: Float8Settings, *, compiled: bool, fsdp_sharded: bool) -> list[str]:
-    """What runs but not as fast or not as set (one line each): float8 in eager mode, float8 all-gather without
-    FSDP sharding (off then, as in torchtitan)."""
+    """What runs, but not as fast or not as set, one line each: float8 in eager mode, and float8 all-gather without FSDP
+    sharding, which is then off, as in torchtitan."""
     warnings = []
     if not compiled and not settings.emulate:
         warnings.append(f"float8 {settings.recipe} without torch.compile of the model: torchao's casts to float8 run "

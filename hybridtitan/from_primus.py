@@ -3,20 +3,25 @@
     python -m hybridtitan.from_primus EXP.yaml [--output R.toml] [--primus PRIMUS_CHECKOUT]
     python -m hybridtitan.from_primus --key-tables       # docs/primus.md's key tables, from KEY_TABLE
 
-The experiment is read as Primus's loader reads it: ``${VAR:default}`` filled from the environment, ``extends:``
-followed (relative to the file, later presets over earlier, the file over its presets; ``bases:`` is not followed,
-as Primus does not), then its trainer module: the module config (``config:``, under primus/configs/modules/<framework>)
-with the model preset (``model:``, under primus/configs/models/<framework>) added where the module config does not
-set a key, and the module's ``overrides:`` over both. Keys that no file sets take Megatron-LM's defaults
-(MEGATRON_DEFAULTS, the ones the mapping reads). Every key is then either mapped to a recipe key (KEY_TABLE says
-which), or listed with the reason it is not, one line each; a value hybridtitan cannot reproduce (LayerNorm,
-dropout, tensor parallelism) is named as a difference. The recipe takes a flavor where the sizes are one of
-hybridtitan.models.flavors', else the pattern and every size; it is checked with hybridtitan.config_manager's own parser
-before it is written, and compared with the shipped recipe whose header cites the same Primus file, if any.
+The experiment is read the way Primus's loader reads it:
 
-Bad input (a missing file, a cycle of extends, YAML that is not a mapping, a model hybridtitan cannot build) is one
-line on stderr, exit code 2, and nothing written.
-"""
+1. ``${VAR:default}`` is filled from the environment.
+2. ``extends:`` is followed, relative to the file. Later presets win over earlier ones, and the file wins over
+   its presets. ``bases:`` is not followed, because Primus does not follow it.
+3. The trainer module is built. Its module config (``config:``, under primus/configs/modules/<framework>) comes
+   first. The model preset (``model:``, under primus/configs/models/<framework>) adds the keys the module config
+   does not set. The module's ``overrides:`` win over both.
+4. Keys that no file sets take Megatron-LM's defaults (MEGATRON_DEFAULTS holds the ones the mapping reads).
+
+Every key is then either mapped to a recipe key, as KEY_TABLE says, or listed on one line with the reason it is not. A
+value hybridtitan cannot reproduce (LayerNorm, dropout, tensor parallelism) is named as a difference.
+
+The recipe names a flavor where the sizes are one of hybridtitan.models.flavors'. Otherwise it spells out the pattern
+and every size. Before it is written, the recipe is checked with hybridtitan.config_manager's own parser. It is also
+compared with the shipped recipe whose header cites the same Primus file, if there is one.
+
+Bad input (a missing file, a cycle of extends, YAML that is not a mapping, a model hybridtitan cannot build) gives one
+line on stderr and exit code 2, and nothing is written."""
 
 from __future__ import annotations
 
@@ -236,8 +241,8 @@ KEY_TABLE: dict[str, list[Row]] = {
 ROWS: dict[str, Row] = {k: row for rows in KEY_TABLE.values() for row in rows for k in row.keys}
 MAPPED = frozenset(k for k, row in ROWS.items() if row.mapped)
 
-# Megatron-LM's defaults for the keys the mapping reads, where no file of the experiment sets them (as the recipes'
-# headers and docs/primus.md state them: a preset that says `bases:` falls back to these).
+# Megatron-LM's defaults for the keys the mapping reads, used where no file of the experiment sets them. The
+# recipes' headers and docs/primus.md state them. A preset that says `bases:` falls back to these.
 MEGATRON_DEFAULTS = {
     "normalization": "LayerNorm", "layernorm_epsilon": 1e-5, "hidden_dropout": 0.1, "attention_dropout": 0.1,
     "add_bias_linear": True, "add_qkv_bias": False, "position_embedding_type": "learned_absolute",
@@ -255,9 +260,9 @@ MEGATRON_DEFAULTS = {
     "calculate_per_token_loss": False, "mock_data": False, "num_workers": 2, "log_interval": 100,
 }
 
-# The layer specs of Primus's hybrids (primus/backends/megatron/core/models/...): the mixer of their 'M'
-# sublayers, Mamba2's expand (the spec's mixer parameter; MambaMixer's default 2 where the spec sets none; None for
-# the other mixers), and what else of the spec a recipe does not reproduce.
+# The layer specs of Primus's hybrids (primus/backends/megatron/core/models/...). Each gives the mixer of its 'M'
+# sublayers, Mamba2's expand, and what else of the spec a recipe does not reproduce. Expand is the spec's mixer
+# parameter, or MambaMixer's default 2 where the spec sets none, and None for the other mixers.
 SPECS = {
     "hybrid_stack_spec": ("mamba2", 1, ""),
     "mamba_hybrid_stack_spec_no_te": ("mamba2", 2, "Primus's no-TE Mamba hybrid spec has no norm before its Mamba "
@@ -287,7 +292,7 @@ _ENV = re.compile(r"\${([^:{}]+)(?::([^}]*))?}")
 
 
 def _scalar(text: str):
-    """A substituted string as Primus's loader types it: true/false, an integer, a float, else the string."""
+    """Types a substituted string as Primus's loader does: true/false, an integer, a float, else the string."""
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
     if re.fullmatch(r"-?\d+", text):
@@ -320,8 +325,8 @@ def _fill_env(value, path: str, env_used: list[str]):
 
 @dataclass
 class Loaded:
-    """A YAML file with its extends resolved: the merged values, the file each top-level key came from, every file
-    read, and the `bases:` lists met (which Primus does not follow)."""
+    """A YAML file with its extends resolved. It holds the merged values, the file each top-level key came from, every
+    file read, and the `bases:` lists met, which Primus does not follow."""
 
     values: dict
     origin: dict
@@ -348,8 +353,9 @@ def _deep_merge(base: dict, over: dict) -> dict:
 
 
 def load_yaml(path: str, env_used: list[str], chain: tuple[str, ...] = ()) -> Loaded:
-    """One YAML file as Primus's loader reads it: its extends (a list or one name, relative to the file) merged
-    under it, ${VAR:default} filled; PrimusError for a missing file, a cycle, a file that is not a mapping."""
+    """One YAML file as Primus's loader reads it. Its extends (a list or one name, relative to the file) are merged
+    under it, and ${VAR:default} is filled. Raises PrimusError for a missing file, a cycle, or a file that is not a
+    mapping."""
     import yaml
 
     real = os.path.realpath(path)
@@ -383,8 +389,8 @@ def load_yaml(path: str, env_used: list[str], chain: tuple[str, ...] = ()) -> Lo
 
 
 def find_configs_root(experiment: str, primus: str | None) -> Path:
-    """Primus's primus/configs folder: under --primus (a checkout, or the configs folder itself), else the first
-    folder above the experiment that holds primus/configs/models."""
+    """Primus's primus/configs folder. It is under --primus (a checkout, or the configs folder itself) where given.
+    Otherwise it is the first folder above the experiment that holds primus/configs/models."""
     if primus:
         for candidate in (Path(primus) / "primus" / "configs", Path(primus)):
             if (candidate / "models").is_dir():
@@ -410,7 +416,7 @@ def _preset(root: Path, kind: str, framework: str, name, field: str) -> Path:
 
 @dataclass
 class Experiment:
-    """A trainer module's effective values, each with the file (or "Megatron's default") it came from."""
+    """A trainer module's effective values, each with the file it came from, or "Megatron's default"."""
 
     path: str
     values: dict
@@ -433,8 +439,8 @@ class Experiment:
 
 
 def read_experiment(path: str, primus: str | None = None) -> Experiment:
-    """The experiment's trainer module as Primus's parser builds it: the module config, the model preset's keys
-    that the module config does not set, then the module's overrides."""
+    """The experiment's trainer module as Primus's parser builds it. The module config comes first, then the model
+    preset's keys that the module config does not set, then the module's overrides."""
     env_used: list[str] = []
     exp = load_yaml(path, env_used)
     modules = exp.values.get("modules")
@@ -465,8 +471,8 @@ def read_experiment(path: str, primus: str | None = None) -> Experiment:
     merged = _merge(merged, Loaded(overrides, {k: path for k in overrides}, [], []))
     values = {k: v for k, v in merged.values.items() if k != "bases"}
     origin = {k: o for k, o in merged.origin.items() if k != "bases"}
-    # the experiment's own keys (its names, a platform) and the module's besides its files and overrides, which
-    # Primus keeps beside the module's values
+    # Primus keeps the experiment's own keys (its names, a platform) and the module's other keys (besides its
+    # files and overrides) beside the module's values
     for key in exp.values:
         if key != "modules" and key not in values:
             values[key], origin[key] = exp.values[key], exp.origin[key]
@@ -522,7 +528,7 @@ def _round(x: float) -> float:
 
 
 def map_model(m: Mapping):
-    """The model's arguments (hybridtitan.models.ModelArgs) from the Primus keys; PrimusError where hybridtitan
+    """The model's arguments (hybridtitan.models.ModelArgs) from the Primus keys. Raises PrimusError where hybridtitan
     cannot build the model."""
     from hybridtitan.models import GDNArgs, KDAArgs, Mamba2Args, MLAArgs, ModelArgs
     from hybridtitan.models.pattern import pattern_from_ratio
@@ -655,7 +661,8 @@ def _used_fields(args) -> dict:
 
 
 def match_flavor(args) -> str | None:
-    """The flavor whose model this is, its vocabulary, norm epsilon and init std aside (written as overrides)."""
+    """The flavor whose model this is, ignoring the vocabulary, norm epsilon and init std, which are written as
+    overrides."""
     from hybridtitan.models import FLAVORS
 
     want = _used_fields(args)
@@ -912,8 +919,8 @@ COMPARED = ("training.local_batch_size", "training.global_batch_size", "training
 
 
 def compared_values(cfg: JobConfig) -> dict:
-    """What two recipes for one configuration are compared on: the model (the sizes of the sublayers it has) and
-    COMPARED (the schedule's length as it runs: total_steps, else training.steps)."""
+    """The values two recipes for one configuration are compared on. They are the model (the sizes of the sublayers it
+    has) and the COMPARED keys. The schedule's length is taken as it runs: total_steps, else training.steps."""
     from hybridtitan.config_manager import model_args
 
     values = {}
@@ -937,7 +944,8 @@ def differences(a, b) -> dict:
 
 
 def shipped_recipe(experiment: str) -> Path | None:
-    """The recipe of train_configs/ whose header says it follows this Primus file (its platform folder and name)."""
+    """The recipe in train_configs/ whose header says it follows this Primus file, matched by platform folder and name.
+    """
     folder = REPO / "train_configs"
     if not folder.is_dir():
         return None
@@ -987,7 +995,7 @@ def map_experiment(exp: Experiment):
 
 
 def convert(experiment: str, primus: str | None = None) -> tuple[str, list[str]]:
-    """(the recipe's TOML text, the report's lines) for an experiment YAML; PrimusError on bad input. The recipe
+    """The recipe's TOML text and the report's lines for an experiment YAML. Raises PrimusError on bad input. The recipe
     is parsed by hybridtitan.config_manager before it is returned."""
     import tempfile
 

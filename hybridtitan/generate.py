@@ -3,14 +3,16 @@
     python -m hybridtitan.generate --checkpoint outputs/quickstart --prompt "Return the number of"
     python -m hybridtitan.generate --checkpoint outputs/quickstart/hf --temperature 0      # interactive, greedy
 
-The model is read by hybridtitan.model_loader, as for evaluation (HybridLM, our own code: CPU or GPU). The prompt
-is fed once (the prefill), then one token per step through the recurrent/MLA cache, until --max_new_tokens or the
-end-of-text token. --temperature 0 is greedy; otherwise tokens are drawn from softmax(logits / T) restricted to
-the smallest set of tokens whose probability reaches --top_p (nucleus sampling); --seed makes a draw repeatable.
-Without --prompt, lines are read from a "> " prompt, each answered from a fresh cache; Ctrl-D, Ctrl-C or "exit"
-ends the loop (Ctrl-C during an answer only stops that answer). The text goes to stdout, the model's
-description to stderr; bad input is one "error: ..." line on stderr, exit code 2.
-"""
+hybridtitan.model_loader reads the model, as for evaluation: HybridLM, our own code, on CPU or GPU. The prompt is fed
+once (the prefill). Then one token per step goes through the recurrent and MLA caches, until --max_new_tokens or the
+end-of-text token.
+
+--temperature 0 is greedy. Otherwise tokens are drawn from softmax(logits / T), restricted to the smallest set of tokens
+whose probability reaches --top_p (nucleus sampling). --seed makes a draw repeatable.
+
+Without --prompt, lines are read from a "> " prompt, and each is answered from a fresh cache. Ctrl-D, Ctrl-C or "exit"
+ends the loop; Ctrl-C during an answer stops only that answer. The text goes to stdout and the model's description to
+stderr. Bad input gives one "error: ..." line on stderr and exit code 2."""
 
 from __future__ import annotations
 
@@ -43,10 +45,11 @@ def next_token(logits, temperature: float, top_p: float, generator) -> int:
 def generate(model, tokenizer, prompt_ids: list[int], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
              temperature: float = DEFAULT_TEMPERATURE, top_p: float = DEFAULT_TOP_P, generator=None,
              on_token: Callable[[str], None] | None = None) -> list[int]:
-    """The generated token ids (the end-of-text token, which stops generation, not included). ``on_token`` gets
-    each new piece of text as soon as it is complete: the whole continuation is decoded at every step and only
-    its new suffix handed on, held back while it ends inside a multi-byte character. An empty prompt starts from
-    the end-of-text token (what precedes every document in training)."""
+    """The generated token ids, without the end-of-text token that stops generation.
+
+    ``on_token`` gets each new piece of text as soon as it is complete. The whole continuation is decoded at every step
+    and only its new suffix is handed on. The suffix is held back while it ends inside a multi-byte character. An empty
+    prompt starts from the end-of-text token, which precedes every document in training."""
     import torch
 
     from hybridtitan.data.tokenizer import eos_id
@@ -105,7 +108,7 @@ def build_parser():
 
 
 def load(args):
-    """(model, tokenizer, description) for the parsed arguments; every bad input ends in fail()."""
+    """(model, tokenizer, description) for the parsed arguments. Every bad input ends in fail()."""
     if not os.path.exists(args.checkpoint):
         fail(f"checkpoint not found: {args.checkpoint}")
     if args.max_new_tokens < 1:
@@ -164,7 +167,7 @@ def answer(model, tokenizer, prompt: str, args) -> None:
 
 
 def interactive(model, tokenizer, args) -> None:
-    """A "> " prompt loop until EOF, Ctrl-C at the prompt, or "exit"; Ctrl-C during an answer stops it."""
+    """A "> " prompt loop until EOF, Ctrl-C at the prompt, or "exit". Ctrl-C during an answer stops that answer."""
     while True:
         try:
             line = input("> ")

@@ -1,11 +1,12 @@
-"""lm-eval over a HybridLM: the lm-eval model (HybridTitanLM), the task lookup, and ``evaluate_live``, which
-evaluates the model being trained from the trainer (every rank calls it; FSDP models too). The command line that
+"""lm-eval over a HybridLM.
+
+This module holds the lm-eval model (HybridTitanLM), the task lookup, and ``evaluate_live``. The trainer calls
+``evaluate_live`` to evaluate the model it is training; every rank calls it, FSDP models included. The command line that
 evaluates a checkpoint or a Hugging Face folder is hybridtitan.eval.
 
-loglikelihood, loglikelihood_rolling and generate_until are batched; generation is greedy and decodes with the
-recurrent/MLA cache. Under several processes every rank holds the model and scores its share of the batches, and
-the results are those of one process, sample for sample.
-"""
+loglikelihood, loglikelihood_rolling and generate_until are batched. Generation is greedy and decodes with the recurrent
+and MLA caches. Under several processes every rank holds the model and scores its share of the batches. The results
+equal those of one process, sample for sample."""
 
 from __future__ import annotations
 
@@ -23,15 +24,17 @@ logger = logging.getLogger("hybridtitan")
 
 DEFAULT_MAX_LENGTH = 2048
 DEFAULT_MAX_GEN_TOKS = 256
-# --batch_size auto starts here and backs off on out-of-memory (lm-eval's HF model starts at the same 64). On a CPU
-# the start is also held to what half of the available memory holds (logits and log-probabilities in float32): an
-# allocation there rarely fails with an error -- the kernel's OOM killer ends the process instead.
+# --batch_size auto starts here and backs off on out-of-memory. lm-eval's HF model starts at the same 64. On a CPU
+# the start is also capped at what half of the available memory holds (float32 logits and log-probabilities),
+# because an allocation there rarely fails with an error: the kernel's OOM killer ends the process instead.
 DEFAULT_MAX_BATCH_SIZE = 64
 
 
 def parse_batch_size(text) -> int | str:
-    """An lm-eval batch size: an integer, "auto" or "auto:N" (N > 0: detect again N times over the requests, the
-    later, shorter ones then taking larger batches). ValueError otherwise."""
+    """Parses an lm-eval batch size: an integer, "auto" or "auto:N". Raises ValueError otherwise.
+
+    With "auto:N" (N > 0) the size is detected again N times over the requests, so the later, shorter requests get
+    larger batches."""
     if isinstance(text, int):
         return text
     t = str(text).strip()
@@ -77,7 +80,7 @@ def _available_memory() -> int | None:
 
 
 def _is_collective(model) -> bool:
-    """Whether the model's forward talks to the other ranks (FSDP, DDP): then every rank must run as many."""
+    """Whether the model's forward talks to the other ranks (FSDP, DDP). If so, every rank must run as many forwards."""
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
@@ -93,23 +96,25 @@ def _is_collective(model) -> bool:
 class HybridTitanLM(TemplateLM):
     """An lm-eval LM over a HybridLM and its tokenizer.
 
-    Batches are right-padded (harmless for a causal model: no real position sees a pad). Generation feeds the
-    prompts of a batch in lockstep -- their common length in one pass, the rest one token per step, every row
-    switching to its own greedy tokens once its prompt is consumed -- so every row shares one cache position and
-    no row ever reads a pad.
+    Batches are right-padded. That is harmless for a causal model, because no real position sees a pad. Generation feeds
+    the prompts of a batch in lockstep. Their common length goes in one pass and the rest one token per step. Each row
+    switches to its own greedy tokens once its prompt is consumed. So every row shares one cache position, and no row
+    ever reads a pad.
 
-    ``batch_size``: an integer, or "auto" / "auto:N" (lm-eval's forms): the largest batch that fits, found by a
-    forward of the longest request at decreasing sizes from ``max_batch_size`` (halving on out-of-memory, then
-    bisecting between the last size that failed and the first that fitted).
+    ``batch_size`` is an integer, or lm-eval's "auto" or "auto:N". Auto finds the largest batch that fits with a forward
+    of the longest request. It starts at ``max_batch_size`` and halves on out-of-memory. Then it bisects between the
+    last size that failed and the first that fitted.
 
-    ``distributed``: every rank of the default process group (or ``group``) holds the model and gets the same
-    requests -- lm-eval runs as one process on each (rank 0, world size 1 to lm-eval, which so builds every
-    request everywhere) -- and this LM splits the work itself: the batches, formed exactly as one process forms
-    them, are dealt round-robin to the ranks, and the results all-gathered, so that every rank returns what one
-    process would, number for number. ``collective`` (default: whether the model holds an FSDP or DDP module):
-    the forward is a collective, and every rank then runs the same number of forward calls -- a rank short of a
-    batch runs a one-token dummy forward, and during generation every step first agrees (an all-reduce) whether
-    any rank still decodes, the finished ranks running dummies meanwhile."""
+    With ``distributed``, every rank of the default process group (or ``group``) holds the model and gets the same
+    requests. lm-eval runs as one process on each rank: it sees rank 0 and world size 1, so it builds every request
+    everywhere. This LM splits the work itself. It forms the batches exactly as one process would, deals them
+    round-robin to the ranks, and all-gathers the results. Every rank then returns what one process would, number for
+    number.
+
+    ``collective`` says the forward is a collective. It defaults to whether the model holds an FSDP or DDP module. Every
+    rank then runs the same number of forward calls. A rank short of a batch runs a one-token dummy forward. During
+    generation every step first agrees, by an all-reduce, whether any rank still decodes. The finished ranks run dummies
+    meanwhile."""
 
     backend = "causal"
 
@@ -170,7 +175,7 @@ class HybridTitanLM(TemplateLM):
 
     # ---- the ranks
     def _gather(self, obj) -> list:
-        """Every rank's ``obj``, in rank order (this rank's alone without distribution)."""
+        """Every rank's ``obj``, in rank order. Without distribution, this rank's alone."""
         if self._world == 1:
             return [obj]
         import torch.distributed as dist
@@ -180,7 +185,7 @@ class HybridTitanLM(TemplateLM):
         return out
 
     def _any_rank(self, flag: bool) -> bool:
-        """Whether ``flag`` holds on any rank (an all-reduce: every rank must call it as often)."""
+        """Whether ``flag`` holds on any rank. This is an all-reduce, so every rank must call it equally often."""
         import torch
         import torch.distributed as dist
 
@@ -190,8 +195,8 @@ class HybridTitanLM(TemplateLM):
         return bool(t.item() > 0)
 
     def _same_everywhere(self, what: str, *key) -> None:
-        """Every rank must have been given the same requests (lm-eval builds them alike on each): refused at once,
-        on every rank alike, where they differ -- a collective forward would otherwise wait forever."""
+        """Refuses requests that differ between ranks, on every rank alike. lm-eval builds them alike on each rank. If
+        they differed, a collective forward would wait forever."""
         if self._world == 1:
             return
         keys = self._gather(tuple(key))
@@ -200,8 +205,8 @@ class HybridTitanLM(TemplateLM):
                                f"(count, tokens per rank: {keys}); every rank must run the same evaluation")
 
     def _share(self, jobs: list) -> list:
-        """This rank's jobs: every world-th from its rank on, padded with None to an equal count on every rank
-        where the forward is collective (None: run a dummy forward instead)."""
+        """This rank's jobs: every world-th job, starting at its rank. Where the forward is collective, the list is
+        padded with None to an equal count on every rank. None means: run a dummy forward instead."""
         if self._world == 1:
             return jobs
         mine = jobs[self._me:: self._world]
@@ -216,7 +221,7 @@ class HybridTitanLM(TemplateLM):
         return merged
 
     def _dummy_forward(self) -> None:
-        """One forward of a single token, whose output is dropped: a rank's part in a collective forward."""
+        """One forward of a single token, its output dropped. This is a rank's part in a collective forward."""
         import torch
 
         with torch.no_grad():
@@ -224,9 +229,9 @@ class HybridTitanLM(TemplateLM):
 
     # ---- batch sizes
     def _start_batch_size(self, length: int) -> int:
-        """Where --batch_size auto starts: max_batch_size, and on a CPU no more rows of ``length`` tokens than
-        half the available memory holds (float32 logits, their float copy and the log-probabilities, plus the
-        activations)."""
+        """The size --batch_size auto starts from. It is max_batch_size. On a CPU it is also at most the number of
+        ``length``-token rows that half the available memory holds. A row needs float32 logits, their float copy, the
+        log-probabilities and the activations."""
         cap = self.max_batch_size
         args = getattr(self.model, "args", None)
         if self._device.type == "cpu" and args is not None:
@@ -237,7 +242,7 @@ class HybridTitanLM(TemplateLM):
         return cap
 
     def _fits(self, batch: int, length: int) -> bool:
-        """Whether a forward (and the log-softmax) of ``batch`` rows of ``length`` tokens fits in memory."""
+        """Whether a forward and log-softmax of ``batch`` rows of ``length`` tokens fits in memory."""
         import torch
 
         try:
@@ -252,9 +257,11 @@ class HybridTitanLM(TemplateLM):
         return False
 
     def detect_batch_size(self, length: int) -> int:
-        """The largest batch of ``length``-token rows that fits, at most _start_batch_size (the same on every rank:
-        the smallest of theirs). Sizes are halved from the start until one fits, then bisected between it and the
-        last that failed; 1 if even one row does not fit (its forward then fails with the real error)."""
+        """The largest batch of ``length``-token rows that fits, at most _start_batch_size.
+
+        Sizes are halved from the start until one fits, then bisected between it and the last that failed. Every rank
+        takes the smallest of all ranks' sizes. The result is 1 if even one row does not fit; its forward then fails
+        with the real error."""
         length = max(1, min(int(length), self.max_length))
         size = self._start_batch_size(length)
         failed = None
@@ -274,8 +281,9 @@ class HybridTitanLM(TemplateLM):
         return size
 
     def _batches(self, order: list[int], lengths: list[int]) -> list[list[int]]:
-        """``order`` (longest first, with the token lengths in the same order) cut into batches. auto:N detects a
-        size at the start of each N-th of the requests (lm-eval's schedule), once a size below the maximum."""
+        """Cuts ``order`` into batches. ``order`` is longest first, and ``lengths`` gives the token lengths in the same
+        order. With auto:N, a size is detected at the start of each N-th part of the requests (lm-eval's schedule), as
+        long as the last size was below the maximum."""
         n = len(order)
         if self.batch_size != "auto":
             return [order[i: i + self.batch_size] for i in range(0, n, self.batch_size)]
@@ -293,7 +301,7 @@ class HybridTitanLM(TemplateLM):
 
     # ---- scoring
     def _log_probs(self, rows: list[list[int]]):
-        """log-softmax over the vocabulary of a right-padded batch: [B, T, V] (float32)."""
+        """The log-softmax over the vocabulary of a right-padded batch: [B, T, V], float32."""
         import torch
 
         T = max(len(r) for r in rows)
@@ -304,7 +312,8 @@ class HybridTitanLM(TemplateLM):
             return torch.log_softmax(self.model(ids.to(self._device)).float(), dim=-1)
 
     def _score(self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool = True) -> list[tuple[float, bool]]:
-        """(sum log p(continuation | context), continuation is greedy) per (context, continuation) token pair."""
+        """For each (context, continuation) token pair: the sum of log p(continuation | context), and whether the
+        continuation is greedy."""
         import torch
         from tqdm import tqdm
 
@@ -408,9 +417,10 @@ class HybridTitanLM(TemplateLM):
         return texts
 
     def greedy(self, prompts: list[list[int]], max_new: int, until: list[str]) -> list[str]:
-        """Greedy continuations of token prompts, cut at the first stop string (or the end-of-text token). Where
-        the forward is collective, every step first asks whether any rank still decodes, and a rank done (or
-        with no prompt at all) runs dummy forwards until none does."""
+        """Greedy continuations of token prompts, cut at the first stop string or the end-of-text token.
+
+        Where the forward is collective, every step first asks whether any rank still decodes. A rank that is done, or
+        has no prompt at all, runs dummy forwards until no rank decodes."""
         import torch
 
         from hybridtitan.models import InferenceCache
@@ -470,9 +480,11 @@ class HybridTitanLM(TemplateLM):
 
 
 def task_manager_for(names: list[str], include_path: str | None):
-    """A TaskManager that knows every requested task, and the names expanded (globs, YAML paths kept).
-    Only the include_path is indexed when it holds every requested task (indexing lm-eval's own takes seconds).
-    EvalError naming the unknown tasks."""
+    """A TaskManager that knows every requested task, and the task names expanded. Globs are expanded and YAML paths
+    kept.
+
+    Indexing lm-eval's own tasks takes seconds. So when the include_path holds every requested task, only it is indexed.
+    Raises EvalError naming any unknown tasks."""
     from lm_eval.tasks import TaskManager
 
     def resolve(tm):
@@ -506,8 +518,10 @@ def task_manager_for(names: list[str], include_path: str | None):
 
 def evaluate(lm, tasks: list[str], task_manager, *, limit=None, num_fewshot=None, batch_size=None,
              device=None, bootstrap_iters: int = 100000, log_samples: bool = False) -> dict | None:
-    """lm-eval's simple_evaluate over ``lm``: its results (None on a rank whose LOCAL_RANK is not 0, where
-    lm-eval returns none; with HybridTitanLM's own distribution every rank computes them alike)."""
+    """Runs lm-eval's simple_evaluate over ``lm`` and returns its results.
+
+    lm-eval returns None on a rank whose LOCAL_RANK is not 0. With HybridTitanLM's own distribution every rank computes
+    the same results."""
     from lm_eval import simple_evaluate
 
     return simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager, limit=limit, num_fewshot=num_fewshot,
@@ -516,8 +530,10 @@ def evaluate(lm, tasks: list[str], task_manager, *, limit=None, num_fewshot=None
 
 
 def flat_metrics(results: dict, prefix: str = "eval") -> dict[str, float]:
-    """{"eval/<task>/<metric>": value} from lm-eval's results: every number of every task and group (a filter
-    other than "none" named after the metric: "eval/gsm8k/exact_match/strict-match"); no "N/A" stderr."""
+    """lm-eval's results as {"eval/<task>/<metric>": value}, with every number of every task and group.
+
+    A filter other than "none" is added after the metric, as in "eval/gsm8k/exact_match/strict-match". "N/A" stderrs are
+    left out."""
     flat = {}
     for task, metrics in (results.get("results") or {}).items():
         for key, value in metrics.items():
@@ -535,17 +551,21 @@ def evaluate_live(model, tokenizer, tasks: list[str] | str, *, include_path: str
                   num_fewshot: int | None = None, batch_size: int = 8, max_length: int = DEFAULT_MAX_LENGTH,
                   max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, bootstrap_iters: int = 0, device=None,
                   group=None) -> dict[str, float]:
-    """lm-eval over the model in memory (a HybridLM, possibly FSDP-wrapped), from the trainer: the same numbers
-    as ``python -m hybridtitan.eval`` on the same weights with the same settings (batch size, max_length,
-    limit, few-shot), for any number of ranks.
+    """lm-eval over the model in memory, called from the trainer. The model is a HybridLM, possibly FSDP-wrapped.
 
-    Every rank of the default process group (or ``group``) must call it alike: each scores its share of the
-    batches; where the forward is collective (FSDP), every rank runs the same number of forwards (see
-    HybridTitanLM). Returns the flat metrics (``flat_metrics``: {"eval/<task>/<metric>": value}) on every rank.
-    Leaves no trace: the random states of Python, NumPy and torch (CPU and CUDA) as they were, the model back
-    in training mode if it was, FSDP's parameters resharded, torch.compile'd parts run eagerly meanwhile.
-    ``batch_size`` is an integer: finding one by trial ("auto") could run out of memory on one rank in the
-    middle of a collective forward. ``bootstrap_iters``: lm-eval's stderr (0: none, the quickest)."""
+    It gives the same numbers as ``python -m hybridtitan.eval`` on the same weights with the same settings (batch size,
+    max_length, limit, few-shot), for any number of ranks.
+
+    Every rank of the default process group (or ``group``) must call it alike. Each scores its share of the batches.
+    Where the forward is collective (FSDP), every rank runs the same number of forwards (see HybridTitanLM). Every rank
+    gets the flat metrics (``flat_metrics``: {"eval/<task>/<metric>": value}).
+
+    It leaves no trace. The random states of Python, NumPy and torch (CPU and CUDA) are restored. The model goes back to
+    training mode if it was in it, and FSDP's parameters are resharded. torch.compile'd parts run eagerly during the
+    evaluation.
+
+    ``batch_size`` must be an integer. Finding one by trial ("auto") could run out of memory on one rank in the middle
+    of a collective forward. ``bootstrap_iters`` sets lm-eval's stderr; 0, the quickest, computes none."""
     import random
 
     import numpy as np
@@ -591,7 +611,7 @@ def evaluate_live(model, tokenizer, tasks: list[str] | str, *, include_path: str
 
 
 def _reshard(model) -> None:
-    """FSDP2 keeps the root's gathered parameters after a forward without backward: freed again here."""
+    """Frees the root's gathered parameters. FSDP2 keeps them after a forward without a backward."""
     from torch.distributed.fsdp import FSDPModule
 
     for m in model.modules():

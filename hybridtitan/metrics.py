@@ -1,9 +1,8 @@
-"""Training metrics: one console line per log step, a JSONL file in the dump folder, TensorBoard, optional W&B.
+"""Training metrics: one console line per log step, a JSONL file in the dump folder, TensorBoard, and optionally W&B.
 
-Only rank 0 writes. Throughput is tokens per second per device (every token processed); TFLOP/s per device is the
-counted training FLOPs per token (models/flops.py) times that rate, and MFU that over the device's datasheet peak
-bf16 FLOP/s (none on a CPU: MFU is left out).
-"""
+Only rank 0 writes. Throughput is tokens per second per device, counting every token processed. TFLOP/s per device is
+the counted training FLOPs per token (models/flops.py) times that rate. MFU is that over the device's datasheet peak
+bf16 FLOP/s. A CPU has no peak, so MFU is left out there."""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ logger = logging.getLogger("hybridtitan")
 
 
 def peak_flops(device: torch.device) -> float | None:
-    """Datasheet dense bf16 FLOP/s of the GPU (torchtitan's table), None on a CPU."""
+    """The GPU's datasheet dense bf16 FLOP/s (torchtitan's table), or None on a CPU."""
     if device.type != "cuda":
         return None
     from torchtitan.tools.utils import get_peak_flops
@@ -33,9 +32,10 @@ def _fmt_time(seconds: float) -> str:
 
 
 def set_aside_records_after(path: str, step: int) -> int:
-    """Moves the records of ``path`` past ``step`` to ``metrics.superseded.jsonl`` beside it: a run resumed at
-    ``step`` trains the later steps again (after a crash between two checkpoints, say), or a run that starts
-    afresh in the folder of an earlier one. A line cut short by a crash goes too. Returns how many moved."""
+    """Moves the records of ``path`` past ``step`` to ``metrics.superseded.jsonl`` beside it. Returns how many moved.
+
+    A run resumed at ``step`` trains the later steps again, for example after a crash between two checkpoints. So does a
+    run that starts afresh in the folder of an earlier one. A line cut short by a crash is moved too."""
     if not os.path.exists(path):
         return 0
     with open(path) as f:
@@ -94,9 +94,9 @@ class MetricsLogger:
     def log(self, step: int, *, loss: float, grad_norm: float, lr: float, tokens_per_step: int, window_steps: int,
             window_time: float, tokens_seen: int, skipped_steps: int, loss_tokens: int | None = None,
             parts: dict[str, float] | None = None) -> dict:
-        """The last ``window_steps`` steps took ``window_time`` seconds, each ``tokens_per_step`` tokens per device
-        (every token processed; ``loss_tokens``: those the loss of this step counted, over the global batch).
-        ``parts``: distillation's terms, per counted token, logged as distill/<name>."""
+        """Logs the last ``window_steps`` steps, which took ``window_time`` seconds at ``tokens_per_step`` tokens per
+        device each (every token processed). ``loss_tokens`` are the tokens the loss of this step counted, over the
+        global batch. ``parts`` are distillation's terms, per counted token, logged as distill/<name>."""
         step_time = window_time / max(window_steps, 1)
         tps = tokens_per_step / step_time if step_time > 0 else 0.0
         elapsed = time.monotonic() - self.start
@@ -123,8 +123,8 @@ class MetricsLogger:
         return record
 
     def log_validation(self, step: int, *, loss: float, tokens: int, kl: float | None = None) -> dict:
-        """The held-out set's mean loss at ``step`` (and its perplexity, exp(loss)), over ``tokens`` tokens; with a
-        distillation teacher, also the mean KL divergence from it."""
+        """Logs the held-out set's mean loss at ``step``, and its perplexity exp(loss), over ``tokens`` tokens. With a
+        distillation teacher it also logs the mean KL divergence from the teacher."""
         record = {"step": step, "validation/loss": loss, "validation/perplexity": math.exp(min(loss, 80.0)),
                   "validation/tokens": tokens}
         if kl is not None:
@@ -137,8 +137,8 @@ class MetricsLogger:
         return record
 
     def log_preference_validation(self, step: int, *, loss: float, pairs: int, values: dict[str, float]) -> dict:
-        """DPO's held-out pairs at ``step``: the mean loss and ``values`` (dpo/accuracy, dpo/margin, the chosen and
-        rejected rewards), means over ``pairs`` pairs."""
+        """Logs DPO's held-out pairs at ``step``: the mean loss and ``values`` (dpo/accuracy, dpo/margin, the chosen and
+        rejected rewards), as means over ``pairs`` pairs."""
         record = {"step": step, "validation/loss": loss, **values, "validation/pairs": pairs}
         if self.rank == 0:
             shown = " | ".join(f"{key.removeprefix('dpo/')} {value:.4f}" for key, value in values.items())

@@ -1,31 +1,33 @@
-"""A Primus (Megatron-LM) checkpoint -> a DCP step-0 that training can start from. The model only: optimizer state
-does not carry over.
+"""Imports a Primus (Megatron-LM) checkpoint as a DCP step-0 that training can start from. Only the model is imported;
+the optimizer state does not carry over.
 
     python -m hybridtitan.import_hf --model output/.../checkpoints --output outputs/ft/checkpoint/step-0
 
-``--model`` is a run's checkpoint folder (the iteration ``latest_checkpointed_iteration.txt`` names, else the
-highest ``iter_N``) or one ``iter_N`` folder, in either of the formats Primus saves:
+``--model`` is a run's checkpoint folder or one ``iter_N`` folder. For a run's folder, the iteration is the one
+``latest_checkpointed_iteration.txt`` names, else the highest ``iter_N``. Both formats Primus saves are read:
 
 * ``torch``: ``iter_N/mp_rank_XX/model_optim_rng.pt``, a torch.save dict with ``model`` (the state dict),
   ``args`` (Megatron's argparse Namespace) and ``iteration``. Pipeline stages (``mp_rank_XX_YYY``, stage YYY) are
-  joined in order, each stage's layers (numbered from 0 on each) after the previous stages'. Several
-  tensor-parallel ranks (mp_rank_00, mp_rank_01, ...) are merged: column-parallel weights (and the vocabulary of
-  the embedding and output layer) along their rows, row-parallel ones along their columns, fused projections
-  block by block (each rank holds its share of every block of ``[z | x | B | C | dt]``, of ``[gate; up]``, ...),
-  replicated ones taken once.
-* ``fsdp_dtensor``: DCP files (``.metadata``, ``__R_0.distcp``) with the model under ``model.module.``, the SwiGLU
-  ``linear_fc1.weight`` saved as its two halves ``weight_w`` (gate) and ``weight_v`` (up), ``args`` a pickled item.
+  joined in order. Each stage numbers its layers from 0, so its layers follow the previous stages'. Several
+  tensor-parallel ranks (mp_rank_00, mp_rank_01, ...) are merged. Column-parallel weights, and the vocabulary of
+  the embedding and output layer, are joined along their rows. Row-parallel weights are joined along their
+  columns. Fused projections are joined block by block, because each rank holds its share of every block of
+  ``[z | x | B | C | dt]``, of ``[gate; up]``, and so on. Replicated tensors are taken once.
+* ``fsdp_dtensor``: DCP files (``.metadata``, ``__R_0.distcp``) with the model under ``model.module.``. The SwiGLU
+  ``linear_fc1.weight`` is saved as its two halves, ``weight_w`` (gate) and ``weight_v`` (up). ``args`` is a
+  pickled item.
 
-Every file is read without executing anything in it: torch.load with ``weights_only`` and an allow-list of the
-types Megatron saves besides tensors (argparse.Namespace, numpy's arrays of the RNG state, io.BytesIO of
-Transformer Engine's ``_extra_state``, and Megatron's own enums, which stand-in classes record by value, as Megatron
-need not be installed); any other type is refused in one line that names it.
+Every file is read without executing anything in it. torch.load runs with ``weights_only`` and an allow-list of
+the types Megatron saves besides tensors: argparse.Namespace, numpy's arrays of the RNG state, io.BytesIO of
+Transformer Engine's ``_extra_state``, and Megatron's own enums. Stand-in classes record the enums by value, so
+Megatron need not be installed. Any other type is refused in one line that names it.
 
-The model's arguments come from ``args``: the pattern (``hybrid_override_pattern``, ``hybrid_layer_pattern``, or
-``hybrid_attention_ratio`` by Primus's placement rule), sizes, vocabulary (``padded_vocab_size``), tied embeddings,
-``layernorm_epsilon``, the MLA and GDN/KDA head sizes; the mixer kind, Mamba2's expand and the convolution widths
-(which Primus sets in its layer spec, not in ``args``) come from the tensors. Each character of the pattern is one
-``decoder.layers.{i}``, hybridtitan's sublayer ``layers.{i}``; Megatron's names become ours as follows::
+The model's arguments come from ``args``: the pattern, the sizes, the vocabulary (``padded_vocab_size``), tied
+embeddings, ``layernorm_epsilon``, and the MLA and GDN/KDA head sizes. The pattern is ``hybrid_override_pattern``,
+``hybrid_layer_pattern``, or ``hybrid_attention_ratio`` by Primus's placement rule. The mixer kind, Mamba2's expand and
+the convolution widths come from the tensors, because Primus sets them in its layer spec, not in ``args``. Each
+character of the pattern is one ``decoder.layers.{i}``, which becomes hybridtitan's sublayer ``layers.{i}``. Megatron's
+names become ours as follows::
 
     embedding.word_embeddings.weight, decoder.final_norm.weight, output_layer.weight (untied)
                                             -> embeddings.weight, norm.weight, lm_head.weight
@@ -43,29 +45,35 @@ The model's arguments come from ``args``: the pattern (``hybrid_override_pattern
                                                kv_up_proj, o_proj
     MLP     mlp.linear_fc1 [gate; up], linear_fc2 -> mlp.gate_proj, up_proj, down_proj
 
-Megatron's MLA rotates channel 2i of a RoPE part with channel 2i+1 (it de-interleaves them before a rotate-half);
-hybridtitan rotates channel i with i + d/2, so the RoPE rows of the query projection (per head) and of the shared
-RoPE key are reordered (even channels first, then odd): the attention scores are unchanged. ``_extra_state``
-entries carry no weights, and KDA's ``gate_norm``, which Primus builds but never applies, is left out.
+Megatron's MLA rotates channel 2i of a RoPE part with channel 2i+1: it de-interleaves them before a rotate-half.
+hybridtitan rotates channel i with i + d/2. So the RoPE rows of the query projection (per head) and of the shared RoPE
+key are reordered, even channels first, then odd. The attention scores are unchanged. ``_extra_state`` entries carry no
+weights and are skipped. KDA's ``gate_norm``, which Primus builds but never applies, is left out.
 
 Primus's TE hybrid specs (Zebra-Llama's ``hybrid_stack_spec``, ``gdn_hybrid_stack_spec``, ``kda_hybrid_stack_spec``)
-normalise each MLA latent twice: q_layernorm, then the norm fused into linear_q_up_proj (likewise kv). The two
-become hybridtitan's one norm exactly (``_latent_norm``): the latent's rows of the down projection are scaled by
-sqrt((a² + ε) / ε) and the norm's weight is a·b / sqrt(a² + ε), a and b the two norms' weights. The function is the
-same; the parametrization is not (those rows are about |a| / sqrt(ε) times larger), so AdamW moves them
+normalise each MLA latent twice: q_layernorm, then the norm fused into linear_q_up_proj, and likewise for kv. The two
+become hybridtitan's one norm exactly (``_latent_norm``). The latent's rows of the down projection are scaled by
+sqrt((a² + ε) / ε), and the norm's weight is a·b / sqrt(a² + ε), where a and b are the two norms' weights. The function
+is the same, but the parametrization is not. Those rows are about |a| / sqrt(ε) times larger, so AdamW moves them
 relatively less than Primus's run would.
 
-What cannot be reproduced exactly is refused in one line, nothing written: a LayerNorm model, zero-centred norm
-weights (``apply_layernorm_1p``), linear biases (any tensor the mapping does not use), a Mamba2 sublayer without a
-pre-norm (Primus's no-TE Mamba spec: hybridtitan normalises the input of every sublayer), a sublayer's input
-normalised twice (a pre-norm and a fused one), MoE or other layer types, virtual pipeline stages, Megatron's
-torch_dist format. The weights are the model's own, with the values training kept (bfloat16 under ``bf16``), not
-the optimizer's float32 master copy.
+What cannot be reproduced exactly is refused in one line, and nothing is written:
 
-Optimizer state does not carry over: Megatron's (distributed) optimizer shards its moments and master weights
-its own way (``distrib_optim.pt``, or the optimizer entries of the DCP files), which no hybridtitan optimizer
-reads. The run that starts from the step-0 begins with fresh AdamW moments, its own LR schedule and data order.
-"""
+* a LayerNorm model;
+* zero-centred norm weights (``apply_layernorm_1p``);
+* linear biases (any tensor the mapping does not use);
+* a Mamba2 sublayer without a pre-norm (Primus's no-TE Mamba spec), because hybridtitan normalises the input of
+  every sublayer;
+* a sublayer whose input is normalised twice (a pre-norm and a fused one);
+* MoE or other layer types, and virtual pipeline stages;
+* Megatron's torch_dist format.
+
+The weights imported are the model's own, with the values training kept (bfloat16 under ``bf16``). They are not the
+optimizer's float32 master copy.
+
+The optimizer state does not carry over. Megatron's distributed optimizer shards its moments and master weights its own
+way (``distrib_optim.pt``, or the optimizer entries of the DCP files), and no hybridtitan optimizer reads that. The run
+that starts from the step-0 begins with fresh AdamW moments and its own LR schedule and data order."""
 
 from __future__ import annotations
 
@@ -140,8 +148,8 @@ def _allowed_globals() -> dict[str, object]:
 
 
 def safe_load(source: str | bytes, what: str):
-    """torch.load of a file (or bytes) with weights_only and the allow-list; ConversionError naming a type outside
-    it, or what is wrong with a damaged file."""
+    """torch.load of a file or bytes, with weights_only and the allow-list. Raises ConversionError naming a type outside
+    the list, or saying what is wrong with a damaged file."""
     allowed = _allowed_globals()
     stream = io.BytesIO(source) if isinstance(source, bytes) else source
     try:
@@ -166,8 +174,9 @@ def safe_load(source: str | bytes, what: str):
 
 
 def is_primus_checkpoint(path: str) -> bool:
-    """Whether ``path`` looks like a Megatron checkpoint folder: a run's (latest_checkpointed_iteration.txt, iter_N
-    folders) or one iteration's (mp_rank_XX folders, or DCP files without hybridtitan's model_args.json)."""
+    """Whether ``path`` looks like a Megatron checkpoint folder. A run's folder has latest_checkpointed_iteration.txt or
+    iter_N folders. One iteration's folder has mp_rank_XX folders, or DCP files without hybridtitan's model_args.json.
+    """
     from hybridtitan.checkpoint import MODEL_ARGS_FILE
 
     if not os.path.isdir(path):
@@ -180,8 +189,8 @@ def is_primus_checkpoint(path: str) -> bool:
 
 
 def find_iteration(path: str) -> tuple[str, int | None]:
-    """(the iter_N folder to read, N): ``path`` itself when it is one, else the iteration its
-    latest_checkpointed_iteration.txt names, else its highest iter_N."""
+    """(the iter_N folder to read, N). This is ``path`` itself when it is an iter_N folder. Otherwise it is the
+    iteration that latest_checkpointed_iteration.txt names, else the highest iter_N."""
     names = os.listdir(path)
     if not any(ITER_RE.match(n) for n in names) and LATEST_FILE not in names:
         m = ITER_RE.match(os.path.basename(os.path.normpath(path)))
@@ -220,8 +229,8 @@ def _torch_file(folder: str, name: str) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def _join_stages(stages: list[dict[str, torch.Tensor]], folder: str, tp: int) -> dict[str, torch.Tensor]:
-    """One tensor-parallel rank's state from its pipeline stages: each stage numbers its decoder layers from 0
-    (Megatron's torch format), so stage s's layers follow those of the stages before it."""
+    """One tensor-parallel rank's state, joined from its pipeline stages. In Megatron's torch format each stage numbers
+    its decoder layers from 0, so stage s's layers follow those of the stages before it."""
     state: dict[str, torch.Tensor] = {}
     offset = 0
     for pp, local in enumerate(stages):
@@ -241,8 +250,8 @@ def _join_stages(stages: list[dict[str, torch.Tensor]], folder: str, tp: int) ->
 
 
 def read_torch_format(folder: str) -> tuple[argparse.Namespace | None, list[dict[str, torch.Tensor]], object, int]:
-    """(args, the model state of each tensor-parallel rank, iteration, pipeline stages) of an iter_N folder in the
-    torch format: mp_rank_XX (tensor-parallel rank XX), or mp_rank_XX_YYY (and pipeline stage YYY)."""
+    """(args, the model state of each tensor-parallel rank, iteration, pipeline stages) of an iter_N folder in the torch
+    format. Its rank folders are mp_rank_XX (tensor-parallel rank XX) or mp_rank_XX_YYY (also pipeline stage YYY)."""
     names = sorted(os.listdir(folder))
     plain = sorted((int(m.group(1)), 0, n) for n in names if (m := RANK_RE.match(n)))
     staged = sorted((int(m.group(1)), int(m.group(2)), n) for n in names if (m := PIPELINE_RANK_RE.match(n)))
@@ -271,8 +280,8 @@ def read_torch_format(folder: str) -> tuple[argparse.Namespace | None, list[dict
 
 
 class RawBytesPlanner(DefaultLoadPlanner):
-    """A DCP load planner that keeps the pickled items (``args``, ``iteration``) as bytes, for safe_load, instead
-    of unpickling them as DCP's default planner does."""
+    """A DCP load planner that keeps the pickled items (``args``, ``iteration``) as bytes, for safe_load. DCP's default
+    planner would unpickle them."""
 
     def __init__(self):
         super().__init__(flatten_state_dict=False)
@@ -325,8 +334,8 @@ def read_fsdp_dtensor(folder: str) -> tuple[argparse.Namespace | None, list[dict
 
 
 class RankTensors:
-    """The model tensors of every tensor-parallel rank, taken one name at a time as whole tensors (``take``); what
-    was never taken is left over (``left``)."""
+    """The model tensors of every tensor-parallel rank. ``take`` returns one name at a time as a whole tensor. ``left``
+    lists what was never taken."""
 
     def __init__(self, states: list[dict[str, torch.Tensor]], source: str):
         self.states, self.tp, self.source = states, len(states), source
@@ -350,8 +359,10 @@ class RankTensors:
 
     def take(self, name: str, shape: tuple[int, ...], dim: int | None = None,
              parts: list[int] | None = None) -> torch.Tensor:
-        """The whole tensor ``name`` of ``shape``: rank 0's where every rank holds all of it (replicated), else the
-        ranks' shares joined along ``dim`` (each rank holding its share of every block of ``parts`` along it)."""
+        """The whole tensor ``name`` of ``shape``.
+
+        Where every rank holds all of it (replicated), this is rank 0's copy. Otherwise the ranks' shares are joined
+        along ``dim``; with ``parts``, each rank holds its share of every block along it."""
         local = self.local_shape(name)
         self.taken.add(name)
         shards = [s[name] for s in self.states]
@@ -381,7 +392,7 @@ def _arg(args, name: str, default=None):
 
 
 def _need(args, name: str, kind=int):
-    """args.<name> as ``kind``; ConversionError where it is missing or not a number."""
+    """args.<name> as ``kind``. Raises ConversionError where it is missing or not a number."""
     value = getattr(args, name, None)
     if value is None:
         raise ConversionError(f"args lack {name}, which the model's shape is read from")
@@ -537,7 +548,7 @@ def model_args_from_megatron(args, src: RankTensors) -> ModelArgs:
 
 
 def rope_rows_to_ours(w: torch.Tensor, rows: int) -> torch.Tensor:
-    """The last ``rows`` rows of ``w`` (a RoPE part, [..., rows, in]) reordered from Megatron's pairs (2i, 2i+1) to
+    """Reorders the last ``rows`` rows of ``w`` (a RoPE part, [..., rows, in]) from Megatron's pairs (2i, 2i+1) to
     rotate-half's (i, i + rows/2): even rows first, then odd."""
     rope = w[..., -rows:, :]
     return torch.cat([w[..., :-rows, :], rope[..., 0::2, :], rope[..., 1::2, :]], dim=-2)
@@ -554,7 +565,7 @@ def _one_of(src: RankTensors, names: list[str], shape: tuple[int, ...], what: st
 
 
 def state_from_megatron(a: ModelArgs, src: RankTensors) -> dict[str, torch.Tensor]:
-    """HybridLM's state dict from the Megatron tensors (the mapping of the module docstring)."""
+    """HybridLM's state dict from the Megatron tensors, by the mapping in the module docstring."""
     D = a.dim
     state = {"embeddings.weight": src.take("embedding.word_embeddings.weight", (a.vocab_size, D), 0),
              "norm.weight": _one_of(src, ["decoder.final_norm.weight", "decoder.final_layernorm.weight"], (D,),
@@ -596,12 +607,12 @@ def state_from_megatron(a: ModelArgs, src: RankTensors) -> dict[str, torch.Tenso
 
 def _latent_norm(src: RankTensors, sa: str, first: str, rank: int, eps: float,
                  what: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(the latent's RMSNorm weight, the factor each latent row of the down projection is multiplied by, or None).
+    """(the latent's RMSNorm weight, the factor for each latent row of the down projection, or None).
 
-    Primus's TE specs normalise a latent twice: ``first`` (q_layernorm / kv_layernorm, weight a), then the norm
-    fused into the up projection (weight b), both with eps. For a latent x that is x·a·b / sqrt(mean(x²(a²+ε)) + ε²),
-    which one RMSNorm of eps computes exactly from the down projection's rows scaled by sqrt((a²+ε)/ε), with weight
-    a·b / sqrt(a²+ε)."""
+    Primus's TE specs normalise a latent twice. The first norm is ``first`` (q_layernorm or kv_layernorm, weight a). The
+    second is fused into the up projection (weight b). Both use eps. For a latent x the result is x·a·b /
+    sqrt(mean(x²(a²+ε)) + ε²). One RMSNorm of eps computes that exactly, with weight a·b / sqrt(a²+ε), when the down
+    projection's rows are scaled by sqrt((a²+ε)/ε)."""
     fused = f"{sa}linear_{first.split('_')[0]}_up_proj.layer_norm_weight"
     own = sa + first + ".weight"
     if own in src and fused in src:
@@ -714,8 +725,8 @@ def _sharded_backend(folder: str) -> str | None:
 
 
 def read_primus_checkpoint(path: str) -> tuple[ModelArgs, dict[str, torch.Tensor], str, argparse.Namespace]:
-    """(ModelArgs, HybridLM's state dict, a description of what was read, Megatron's args) of a Primus run folder
-    or iter_N folder, either format."""
+    """(ModelArgs, HybridLM's state dict, a description of what was read, Megatron's args) of a Primus run folder or
+    iter_N folder, in either format."""
     folder, number = find_iteration(path)
     names = os.listdir(folder)
     if any(RANK_RE.match(n) or PIPELINE_RANK_RE.match(n) for n in names):
@@ -756,8 +767,8 @@ def read_primus_checkpoint(path: str) -> tuple[ModelArgs, dict[str, torch.Tensor
 
 
 def args_tokenizer(args, vocab_size: int):
-    """(the tokenizer Megatron's args name in tokenizer_model, or None; why none): a local folder, or a hub name
-    that loads (from the cache where the hub is offline)."""
+    """(the tokenizer that Megatron's args name in tokenizer_model, or None; the reason when None). The name is a local
+    folder, or a hub name that loads, from the cache where the hub is offline."""
     from hybridtitan.hf.convert import load_tokenizer
 
     name = _arg(args, "tokenizer_model")
@@ -771,8 +782,10 @@ def args_tokenizer(args, vocab_size: int):
 
 def primus_model(model: str, tokenizer: str | None = None):
     """(model, tokenizer or None, what was read) of a Primus checkpoint, for import_hf to write as a model-only step
-    folder. ConversionError (one line) on bad input. The tokenizer is ``tokenizer``, else the one
-    args.tokenizer_model names where it loads, else none (said in what was read)."""
+    folder. Raises ConversionError, in one line, on bad input.
+
+    The tokenizer is ``tokenizer`` where given, else the one args.tokenizer_model names if it loads, else none. What was
+    read says which."""
     from hybridtitan.hf.convert import load_tokenizer, model_from_state
 
     model_args, state, description, args = read_primus_checkpoint(model)

@@ -4,19 +4,20 @@
     python -m hybridtitan.tune --job.config_file train_configs/zebra_llama_1B.toml --decode    # and decoding's
     torchrun ... -m hybridtitan.train --job.config_file ... --training.kernel_configs kernel_configs/NVIDIA_H200
 
-Runs ``--steps`` training steps of the recipe in this process on this GPU, forward and backward at the recipe's
-shapes (its micro-batch, sequence length, packed documents where ``data.document_boundaries`` says so, its
-activation checkpointing and torch.compile), on mock tokens, with no checkpoint, validation or evaluation, while
-every Triton kernel autotunes once at each shape ``--output`` does not hold already (every shape with
-``--retune``); with ``--decode`` it also runs decoding's prefill and one-token steps. Then it merges the
-configuration the autotuner chose for every shape of every kernel, FLA's and ours, into ``--output`` (default:
-the package's folder for this GPU, hybridtitan/kernel_configs/<GPU>/) in FLA's format, with the GPU and the
-Triton, FLA and torch versions (hybridtitan.ops.kernel_configs). Several recipes merge into one folder, a run at
-a time or several at once.
+It runs ``--steps`` training steps of the recipe in this process, on this GPU, on mock tokens. The steps run forward and
+backward at the recipe's shapes: its micro-batch, its sequence length, packed documents where
+``data.document_boundaries`` says so, its activation checkpointing and its torch.compile. There is no checkpoint,
+validation or evaluation. Meanwhile every Triton kernel autotunes once at each shape that ``--output`` does not hold
+yet; with ``--retune``, at every shape. With ``--decode`` it also runs decoding's prefill and one-token steps.
 
-One process is enough for a run of any number of GPUs: a data-parallel rank runs the same micro-batch shapes (a
-context-parallel run's shapes are a rank's share of each sequence: tune with ``--training.seq_len`` at that share).
-A user error is one line and exit code 2, before anything is written; so is a machine without a GPU.
+It then merges the configuration the autotuner chose for every shape of every kernel, FLA's and ours, into ``--output``
+in FLA's format. It records the GPU and the Triton, FLA and torch versions with them (hybridtitan.ops.kernel_configs).
+The default folder is the package's folder for this GPU, hybridtitan/kernel_configs/<GPU>/. Several recipes merge into
+one folder, one run at a time or several at once.
+
+One process is enough for a run on any number of GPUs, because every data-parallel rank runs the same micro-batch
+shapes. A context-parallel run's shapes are a rank's share of each sequence, so tune it with ``--training.seq_len`` at
+that share. A user error gives one line and exit code 2 before anything is written, and so does a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -168,8 +169,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 class Stopped(BaseException):
-    """SIGTERM arrived (a time box): stop the run and record what was tuned. A BaseException, as KeyboardInterrupt,
-    so that no `except Exception` of a kernel's autotuning loop swallows it."""
+    """SIGTERM arrived (a time box): stop the run and record what was tuned. It is a BaseException, like
+    KeyboardInterrupt, so that no `except Exception` in a kernel's autotuning loop swallows it."""
 
 
 _signalled = False
@@ -182,8 +183,8 @@ def _stop(signum, frame):
 
 
 def ran_to_the_end(run) -> bool:
-    """Runs ``run()`` under the time box's SIGTERM: True if it ended, False if SIGTERM stopped it, whatever the
-    error it surfaced as (torch.compile's compiling wraps an exception raised inside it)."""
+    """Runs ``run()`` under the time box's SIGTERM. Returns True if it ended, and False if SIGTERM stopped it, whatever
+    error it surfaced as. (torch.compile wraps an exception raised while it compiles.)"""
     global _signalled
     _signalled = False
     signal.signal(signal.SIGTERM, _stop)

@@ -4,32 +4,34 @@
         --output DUMP/checkpoint/step-0
     python -m hybridtitan.upcycle select --teacher LLAMA --student ILD_MAMBA2 --data VALIDATION --count 4
 
-The Llama's layers in --attention-layers keep attention as multi-latent attention (MLA), the others become the
-mixer; embeddings, norms and MLPs are copied. Each new sublayer starts from the attention it replaces:
+The Llama layers named in --attention-layers keep attention, as multi-latent attention (MLA). The other layers become
+the mixer. Embeddings, norms and MLPs are copied. Each new sublayer starts from the attention it replaces:
 
-* MLA (Zebra-Llama's re_init_q / re_init_kv): queries from the SVD of W_Q cut to the q rank,
-  W_Q ~ U_r (S_r V_r^T) = q_up q_down; keys and values from one SVD of the GQA-expanded [W_K; W_V] cut to the kv
-  rank, kv_down = S_r V_r^T and kv_up = U_r split into per-head key (no-RoPE) and value rows; the RoPE key shared
-  by all heads, the mean over the key/value heads of W_K's RoPE rows. W_O is o_proj. No latent norms: the factors
-  reproduce the projections as plain products. The RoPE rows are whole rotation pairs of each head whose Llama
-  frequency the MLA's RoPE has (every (head_dim / rope dims)-th pair), so their rotations stay the Llama's (up to
-  the frequency scalings); the other pairs become the no-RoPE channels.
-* Mamba2 (MambaInLlama): x <- W_V, B <- W_K (for the key/value heads, shared by their groups of heads as in the
-  attention), C <- W_Q, out_proj <- W_O, one head per attention head; z, dt, A, D, the convolution and the norm
-  fresh.
-* Gated DeltaNet (HyLo): q <- W_Q, k <- W_K and v <- W_V repeated to every head, o_proj <- W_O (the overlapping
-  blocks where the sizes differ); gates, beta, convolutions and the output norm fresh.
+* MLA (Zebra-Llama's re_init_q and re_init_kv). The queries come from the SVD of W_Q cut to the q rank:
+  W_Q ~ U_r (S_r V_r^T) = q_up q_down. The keys and values come from one SVD of the GQA-expanded [W_K; W_V] cut
+  to the kv rank: kv_down = S_r V_r^T, and kv_up = U_r split into per-head key (no-RoPE) and value rows. The
+  RoPE key, shared by all heads, is the mean of W_K's RoPE rows over the key/value heads. W_O becomes o_proj.
+  There are no latent norms, so the factors reproduce the projections as plain products. The RoPE rows are the
+  whole rotation pairs of each head whose Llama frequency the MLA's RoPE also has: every
+  (head_dim / rope dims)-th pair. Their rotations so stay the Llama's, up to the frequency scalings. The other
+  pairs become the no-RoPE channels.
+* Mamba2 (MambaInLlama): x <- W_V, B <- W_K, C <- W_Q, out_proj <- W_O, one head per attention head. x and B are
+  per key/value head and shared by its group of heads, as in the attention. z, dt, A, D, the convolution and the
+  norm start fresh.
+* Gated DeltaNet (HyLo): q <- W_Q, k <- W_K and v <- W_V repeated to every head, o_proj <- W_O. Where the sizes
+  differ, the overlapping blocks are copied. The gates, beta, the convolutions and the output norm start fresh.
 
---init takes the choices of INIT_CHOICES where the papers' code initialises otherwise (amd: Zebra-Llama's).
+--init takes the choices of INIT_CHOICES where the papers' code initialises otherwise ("amd": Zebra-Llama's).
 
-The output says, per MLA layer, how much of W_Q and of [W_K; W_V] the ranks keep (the singular values discarded) and
-the relative error of each projection as the MLA holds it: W_K's no-RoPE rows, W_V, and the shared RoPE key.
---attention-from and --mixers-from take those sublayers (with their MLPs) from students already trained by layer
-distillation instead (an all-MLA and an all-mixer student of the same shapes: Zebra-Llama's second stage).
+For each MLA layer the output says how much of W_Q and of [W_K; W_V] the ranks keep, by the singular values discarded.
+It also gives the relative error of each projection as the MLA holds it: W_K's no-RoPE rows, W_V, and the shared RoPE
+key.
 
-``select`` ranks the layers of an all-mixer student (after layer distillation) by how much swapping each one
-back to MLA lowers the KL divergence to the teacher on held-out data, and prints the chosen layers and pattern.
-"""
+--attention-from and --mixers-from take those sublayers, with their MLPs, from students already trained by layer
+distillation: an all-MLA and an all-mixer student of the same shapes. This is Zebra-Llama's second stage.
+
+``select`` ranks the layers of an all-mixer student after layer distillation. The rank of a layer is how much swapping
+it back to MLA lowers the KL divergence to the teacher on held-out data. It prints the chosen layers and the pattern."""
 
 from __future__ import annotations
 
@@ -46,8 +48,8 @@ from hybridtitan.errors import ConversionError
 
 MIXERS = ("mamba2", "gdn")
 
-# Initialisations where upcycle differs from the papers' code; --init names those to take the other way (the
-# step-0 KL of each way: docs/upcycling.md). "amd" names the ones AMD's Zebra-Llama code does otherwise.
+# Initialisations where upcycle differs from the papers' code. --init names those to take the other way, and "amd"
+# names the ones AMD's Zebra-Llama code does otherwise. docs/upcycling.md gives the step-0 KL of each way.
 INIT_CHOICES = {
     "mamba2_conv": "Mamba2's convolution weight and bias from nn.Conv1d's default uniform (Zebra-Llama's code), "
                    "not N(0, init_std) and 0",
@@ -62,7 +64,8 @@ AMD_INIT = ("mamba2_conv", "mamba2_z_dt", "mla_rope")
 
 
 def parse_init(text: str) -> frozenset[str]:
-    """'hybridtitan' (none), 'amd' (AMD_INIT) or comma-separated INIT_CHOICES -> the set taken the other way."""
+    """Parses --init into the set of INIT_CHOICES taken the other way. 'hybridtitan' gives none, 'amd' gives AMD_INIT,
+    and a comma-separated list gives its choices."""
     names = {n.strip() for n in text.split(",") if n.strip()}
     if names == {"hybridtitan"}:
         return frozenset()
@@ -80,8 +83,8 @@ def parse_init(text: str) -> frozenset[str]:
 
 @dataclasses.dataclass
 class Kept:
-    """What a rank-r factorisation of a matrix keeps: the share of its energy (sum of squared singular values)
-    and the relative Frobenius error of the product, sqrt(discarded / total)."""
+    """What a rank-r factorisation of a matrix keeps. ``energy`` is the share of the sum of squared singular values. The
+    relative Frobenius error of the product is sqrt(discarded / total)."""
 
     name: str
     rank: int
@@ -113,8 +116,9 @@ def _relative_error(approximation: torch.Tensor, original: torch.Tensor) -> floa
 
 
 def low_rank(matrix: torch.Tensor, rank: int, name: str) -> tuple[torch.Tensor, torch.Tensor, Kept]:
-    """(up [m, rank], down [rank, n], what was kept) with up @ down the best rank-``rank`` approximation of
-    ``matrix`` [m, n]: up = U_r, down = diag(S_r) V_r^T (float32)."""
+    """The best rank-``rank`` approximation of ``matrix`` [m, n], as up @ down, in float32.
+
+    Returns (up [m, rank], down [rank, n], what was kept), with up = U_r and down = diag(S_r) V_r^T."""
     U, S, Vh = torch.linalg.svd(matrix.float(), full_matrices=False)
     if rank > S.numel():
         raise ConversionError(f"{name}: rank {rank} exceeds the {S.numel()} singular values of a "
@@ -124,11 +128,14 @@ def low_rank(matrix: torch.Tensor, rank: int, name: str) -> tuple[torch.Tensor, 
 
 
 def rope_rows(head_dim: int, rope_dims: int, nope_dims: int, last: bool = False) -> tuple[list[int], list[int]]:
-    """Rows of a Llama head (rotate-half RoPE: row j pairs with j + head_dim / 2 at frequency theta^(-2j/head_dim))
-    that become an MLA head's RoPE channels and its no-RoPE channels. The MLA's rope pair i turns at
-    theta^(-2i/rope_dims), the Llama's pair j = i * head_dim / rope_dims: those whole pairs, in rotate-half order,
-    are the RoPE rows; the first nope_dims of the rest are the no-RoPE rows. ``last`` (--init mla_rope):
-    Zebra-Llama's rows instead, the head's last rope_dims and first nope_dims."""
+    """The rows of a Llama head that become an MLA head's RoPE channels and its no-RoPE channels.
+
+    The Llama uses rotate-half RoPE: row j pairs with row j + head_dim / 2, at frequency theta^(-2j/head_dim). The MLA's
+    rope pair i turns at theta^(-2i/rope_dims), which is the Llama's pair j = i * head_dim / rope_dims. Those whole
+    pairs, in rotate-half order, are the RoPE rows. The first nope_dims of the other rows are the no-RoPE rows.
+
+    With ``last`` (--init mla_rope) the rows are Zebra-Llama's instead: the head's last rope_dims and its first
+    nope_dims."""
     if rope_dims % 2 or head_dim % rope_dims:
         raise ConversionError(f"qk_rope_head_dim {rope_dims} must be even and divide the attention's head_dim "
                               f"{head_dim} (its RoPE pairs are taken whole)")
@@ -145,15 +152,15 @@ def rope_rows(head_dim: int, rope_dims: int, nope_dims: int, last: bool = False)
 
 
 def repeat_heads(w: torch.Tensor, heads: int, head_dim: int, groups: int) -> torch.Tensor:
-    """[heads * head_dim, D] -> [heads * groups * head_dim, D], each head's rows repeated for its group (as
-    grouped-query attention serves query heads h * groups ... from key/value head h)."""
+    """Repeats each head's rows for its group: [heads * head_dim, D] -> [heads * groups * head_dim, D]. This is how
+    grouped-query attention serves query heads h * groups ... from key/value head h."""
     return w.view(heads, head_dim, -1).repeat_interleave(groups, dim=0).reshape(heads * groups * head_dim, -1)
 
 
 def mla_from_attention(attn: dict[str, torch.Tensor], gqa, mla,
                        last_rows: bool = False) -> tuple[dict[str, torch.Tensor], list[Kept | Fit]]:
-    """MLA weights (our names) from one grouped-query attention's q_proj, k_proj, v_proj, o_proj weights, and what
-    they keep of it (``last_rows``: rope_rows's)."""
+    """MLA weights, under our names, from one grouped-query attention's q_proj, k_proj, v_proj and o_proj weights. Also
+    returns what they keep of it. ``last_rows`` is passed to rope_rows."""
     H, KV, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
     if mla.num_heads != H or mla.v_head_dim != d:
         raise ConversionError(f"an MLA from attention keeps its {H} heads and value dims {d} (got num_heads "
@@ -177,8 +184,8 @@ def mla_from_attention(attn: dict[str, torch.Tensor], gqa, mla,
     out["kv_up_proj.weight"] = torch.cat([k_up, v_up], dim=1).reshape(H * (len(nope) + d), -1)
     shared_rope_key = wk.view(KV, d, -1)[:, rope].mean(0)
     out["kv_down_proj.weight"] = torch.cat([down, shared_rope_key])
-    # the SVD's energy counts every row of [W_K; W_V]; of W_K the MLA keeps the no-RoPE rows from it and replaces
-    # the RoPE rows by one key shared by all heads: the error of each, as kept
+    # the SVD's energy counts every row of [W_K; W_V]. Of W_K, the MLA keeps the no-RoPE rows from the SVD and
+    # replaces the RoPE rows by one key shared by all heads. Report the error of each part as kept.
     approx = up @ down
     kept.append(Fit("W_K no-RoPE rows", _relative_error(approx[:H * d].view(H, d, -1)[:, nope],
                                                         stacked[:H * d].view(H, d, -1)[:, nope])))
@@ -190,17 +197,19 @@ def mla_from_attention(attn: dict[str, torch.Tensor], gqa, mla,
 
 
 def default_uniform(t: torch.Tensor, fan_in: int) -> torch.Tensor:
-    """U(-1/sqrt(fan_in), 1/sqrt(fan_in)): nn.Linear's and nn.Conv1d's default for weights (kaiming_uniform_ with
-    a = sqrt(5)) and biases."""
+    """Fills ``t`` with U(-1/sqrt(fan_in), 1/sqrt(fan_in)). This is nn.Linear's and nn.Conv1d's default for weights
+    (kaiming_uniform_ with a = sqrt(5)) and for biases."""
     bound = 1 / math.sqrt(fan_in)
     return t.uniform_(-bound, bound)
 
 
 def mamba2_from_attention(attn: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor], gqa, m,
                           dim: int, init: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
-    """Mamba2 weights (our names): in_proj's x, B and C rows from W_V, W_K and W_Q, out_proj from W_O; z, dt and
-    everything else from ``fresh`` (the student's own initialisation), or, for the ``init`` choices mamba2_z_dt
-    and mamba2_conv, PyTorch's default uniform drawn here."""
+    """Mamba2 weights, under our names, from one attention.
+
+    in_proj's x, B and C rows come from W_V, W_K and W_Q, and out_proj from W_O. z, dt and everything else come from
+    ``fresh``, the student's own initialisation. For the ``init`` choices mamba2_z_dt and mamba2_conv, they are
+    PyTorch's default uniform, drawn here."""
     H, KV, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
     inner = dim * m.expand
     if (m.expand, m.head_dim, m.d_state, m.n_groups, m.xb_heads, inner) != (1, d, d, H, KV, H * d):
@@ -226,10 +235,13 @@ def mamba2_from_attention(attn: dict[str, torch.Tensor], fresh: dict[str, torch.
 
 def gdn_from_attention(attn: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor], gqa,
                        paired=None) -> dict[str, torch.Tensor]:
-    """Gated DeltaNet weights (our names): q, k, v and o projections from the attention's (keys and values repeated
-    to every head; the overlapping block where the sizes differ), everything else from ``fresh``. ``paired`` (the
-    GDN's GDNArgs, for --init gdn_paired): each GDN head's values and W_O's columns from the Llama rows its keys
-    come from instead (as many as fit), its other value rows and columns fresh."""
+    """Gated DeltaNet weights, under our names, from one attention.
+
+    The q, k, v and o projections come from the attention's, with keys and values repeated to every head. Where the
+    sizes differ, the overlapping block is copied. Everything else comes from ``fresh``.
+
+    ``paired`` is the GDN's GDNArgs, for --init gdn_paired. Then each GDN head's values and W_O's columns come from the
+    Llama rows its keys come from, as many as fit. Its other value rows and columns stay fresh."""
     H, KV, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
     source = {"q_proj.weight": attn["q_proj.weight"],
               "k_proj.weight": repeat_heads(attn["k_proj.weight"], KV, d, H // KV),
@@ -259,7 +271,7 @@ def gdn_from_attention(attn: dict[str, torch.Tensor], fresh: dict[str, torch.Ten
 
 
 def sublayer_state(state: dict[str, torch.Tensor], index: int, body: str | None = None) -> dict[str, torch.Tensor]:
-    """The tensors of sublayer ``index`` (of its body ``body`` alone, where given), names relative to it."""
+    """The tensors of sublayer ``index``, named relative to it. With ``body``, only that body's tensors."""
     prefix = f"layers.{index}." + (f"{body}." if body else "")
     return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
@@ -268,10 +280,11 @@ def upcycle_state(llama, llama_state: dict[str, torch.Tensor], student, fresh: d
                   attention_from: dict[str, torch.Tensor] | None = None,
                   mixers_from: dict[str, torch.Tensor] | None = None,
                   init: frozenset[str] = frozenset()) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The student's state from the Llama's (``fresh``: the student's own initialisation, for what attention does
-    not give), and a line per layer saying what its new sublayer kept. ``attention_from`` / ``mixers_from``: states
-    of trained students of the same shapes whose MLA / mixer layers (with the MLP after each) are taken whole.
-    ``init``: the INIT_CHOICES taken the other way."""
+    """The student's state from the Llama's, and one line per layer saying what its new sublayer kept.
+
+    ``fresh`` is the student's own initialisation, for what attention does not give. ``attention_from`` and
+    ``mixers_from`` are the states of trained students of the same shapes. Their MLA or mixer layers, each with the MLP
+    after it, are taken whole. ``init`` is the set of INIT_CHOICES taken the other way."""
     out = {k: v.float() for k, v in llama_state.items() if not k.startswith("layers.")}
     report = []
     for i, kind in enumerate(student.kinds):
@@ -308,7 +321,7 @@ def upcycle_state(llama, llama_state: dict[str, torch.Tensor], student, fresh: d
 
 
 def parse_layers(text: str, n_layers: int) -> list[int]:
-    """'0,5,10,14', 'all' or 'none' -> layer indices; ConversionError for an index outside the model."""
+    """Parses '0,5,10,14', 'all' or 'none' into layer indices. Raises ConversionError for an index outside the model."""
     t = text.strip().lower()
     if t == "all":
         return list(range(n_layers))
@@ -344,8 +357,8 @@ ROPE_EXTENSION = ("rope_scaling_factor", "original_max_position_embeddings")
 
 
 def matching_flavor(args) -> tuple[str, list[str]] | None:
-    """A named flavor that is ``args`` up to the pattern, the mixer and the MLA's YaRN extension, and the recipe
-    keys that make it ``args``; None where there is none."""
+    """A named flavor that equals ``args`` up to the pattern, the mixer and the MLA's YaRN extension. Returns its name
+    and the recipe keys that turn it into ``args``, or None where no flavor matches."""
     from hybridtitan.models import FLAVORS
 
     for name, flavor in FLAVORS.items():
@@ -364,10 +377,11 @@ def matching_flavor(args) -> tuple[str, list[str]] | None:
 
 
 def read_student(path: str, args, what: str) -> dict[str, torch.Tensor]:
-    """A trained student's state, refused unless the sublayers taken from it (attention for --attention-from,
-    mixers for --mixers-from, each with the MLP after it) are where ``args`` has them and hold the same tensors
-    (names and shapes): its other settings (the RoPE extension, the kind and sizes of what is not taken) may
-    differ."""
+    """A trained student's state.
+
+    It is refused unless the sublayers taken from it are where ``args`` has them and hold the same tensors (names and
+    shapes). Those sublayers are the attention for --attention-from and the mixers for --mixers-from, each with the MLP
+    after it. Its other settings may differ: the RoPE extension, and the kind and sizes of what is not taken."""
     from hybridtitan.model_loader import read_model
     from hybridtitan.models import build_model
 
@@ -393,8 +407,8 @@ def read_student(path: str, args, what: str) -> dict[str, torch.Tensor]:
 def upcycled_model(llama, llama_state: dict[str, torch.Tensor], args, seed: int = 0, init: frozenset[str] = frozenset(),
                    attention_from: dict[str, torch.Tensor] | None = None,
                    mixers_from: dict[str, torch.Tensor] | None = None):
-    """(the student HybridLM on the CPU, the report): its fresh parameters drawn with ``seed``, the rest from the
-    Llama (upcycle_state)."""
+    """The student HybridLM on the CPU, and the report. Its fresh parameters are drawn with ``seed``. The rest come from
+    the Llama (upcycle_state)."""
     from hybridtitan.models import build_model
 
     torch.manual_seed(seed)
@@ -409,9 +423,9 @@ def upcycle(model: str, output: str, *, mixer: str = "mamba2", attention_layers:
             tokenizer: str | None = None, overwrite: bool = False, attention_from: str | None = None,
             mixers_from: str | None = None, seed: int = 0, init: str = "hybridtitan",
             **ranks) -> tuple[object, list[str]]:
-    """Writes the step folder ``output`` (model-only DCP, tokenizer inside) upcycled from ``model`` (``init``: as
-    --init); returns the student's ModelArgs and the report. ConversionError / CheckpointError (one line) before
-    anything is written."""
+    """Writes the step folder ``output``, upcycled from ``model``: a model-only DCP checkpoint with the tokenizer
+    inside. ``init`` is as --init. Returns the student's ModelArgs and the report. Raises ConversionError or
+    CheckpointError, in one line, before anything is written."""
     from hybridtitan.hf.convert import load_tokenizer, output_problem
     from hybridtitan.import_hf import write_step_folder
     from hybridtitan.model_folder import read_folder
@@ -442,7 +456,7 @@ def upcycle(model: str, output: str, *, mixer: str = "mamba2", attention_layers:
 
 @torch.no_grad()
 def kl_to_teacher(student, teacher, batches) -> float:
-    """Mean KL(teacher || student) per counted token over ``batches`` (next-token distributions)."""
+    """The mean KL(teacher || student) of the next-token distributions, per counted token over ``batches``."""
     from hybridtitan.ops import linear_kl_div
 
     total, count = 0.0, 0
@@ -456,8 +470,8 @@ def kl_to_teacher(student, teacher, batches) -> float:
 
 def rank_layers(teacher, student_args_, mixer_state, attention_state, batches, device="cpu",
                 log=print) -> list[tuple[int, float]]:
-    """(layer, KL with that layer as MLA) for every Llama layer, lowest first; the all-mixer student's KL first
-    logged. ``attention_state``: the state of the MLA layers to swap in (an all-MLA student's, or upcycled ones)."""
+    """(layer, KL with that layer as MLA) for every Llama layer, lowest KL first. The all-mixer student's KL is logged
+    first. ``attention_state`` is the state of the MLA layers to swap in: an all-MLA student's, or upcycled ones."""
     from hybridtitan.models import build_model
 
     n = student_args_.n_layers // 2

@@ -1,27 +1,28 @@
-"""The training data loader: packed windows from a document source, batched by a StatefulDataLoader whose
-state_dict() / load_state_dict() resume the stream exactly.
+"""The training data loader: packed windows from a document source, batched by a StatefulDataLoader whose state_dict()
+and load_state_dict() resume the stream exactly.
 
     loader = build_dataloader(job.data, tokenizer, seq_len=4096, local_batch_size=8, dp_rank=r,
                               dp_world_size=w, seed=job.training.seed, vocab_size=model_args.vocab_size)
     batch = next(iter(loader))  # {"input_ids": [B, T] int64, "labels": [B, T] int64(, "cu_seqlens": int32)}
 
-The iterator never ends: epochs wrap, reshuffled with an epoch-dependent seed.
+The iterator never ends. Epochs wrap, reshuffled with an epoch-dependent seed.
 
-Checkpoint state (what `PackedDataset.state_dict()` returns; StatefulDataLoader nests it in its own dict):
+The checkpoint state is what `PackedDataset.state_dict()` returns; StatefulDataLoader nests it in its own dict:
+
     {"version": 1, "seq_len": T,
      "packer": {"documents": <cursor before the document being cut>, "offset": tokens of it already placed,
                 "carry": the token the next window starts with, or -1}}
     cursor, random-access sources: {"epoch", "pos", "shard", "num_shards", "seed", "shuffle", "fingerprint"}
                                    (with data.document_slice, positions in the slice; the fingerprint names it)
     cursor, streaming hf:          {"epoch", "hf_state" (datasets' own, as a JSON string), "shard", "num_shards"}
-A few integers: resume re-reads (re-tokenizes) at most the one document that was being cut. The structure
-never changes along a run (DCP loads a checkpoint into the structure of the live state_dict).
 
-Changing the data-parallel size between save and load cannot be exact. Load any one rank's state (rank 0's,
-say) on every rank: each new shard continues the same epoch, in the same order, from the point the old shards
-had reached together (see ShardedDocuments.load_state_dict); a streaming dataset restarts the epoch instead.
-A warning says so. `data.num_workers` must not change (StatefulDataLoader keeps one state per worker).
-"""
+It is a few integers. A resume re-reads (and re-tokenizes) at most the one document that was being cut. The structure
+never changes along a run, because DCP loads a checkpoint into the structure of the live state_dict.
+
+A resume on a different data-parallel size cannot be exact. Load any one rank's state, such as rank 0's, on every rank.
+Each new shard then continues the same epoch, in the same order, from the point the old shards had reached together (see
+ShardedDocuments.load_state_dict). A streaming dataset restarts the epoch instead. A warning says so. `data.num_workers`
+must not change, because StatefulDataLoader keeps one state per worker."""
 
 from __future__ import annotations
 
@@ -47,8 +48,8 @@ IGNORE_INDEX = -100  # a label that counts for nothing (the loss's ignore_index)
 
 
 class PackedDataset(IterableDataset):
-    """Windows of seq_len + 1 tokens from this rank's documents, as {"input_ids", "labels"} samples.
-    Stateful: the StatefulDataLoader saves and restores it (in each worker, when there are workers)."""
+    """Windows of seq_len + 1 tokens from this rank's documents, as {"input_ids", "labels"} samples. It is Stateful: the
+    StatefulDataLoader saves and restores it, in each worker when there are workers."""
 
     def __init__(self, cfg: Data, tokenizer, *, seq_len: int, dp_rank: int, dp_world_size: int, seed: int,
                  eos: int, vocab_size: int | None):
@@ -93,7 +94,7 @@ class PackedDataset(IterableDataset):
 
 
 class Collate:
-    """Stacks samples into a batch; with document boundaries, adds cu_seqlens over the flattened batch."""
+    """Stacks samples into a batch. With document boundaries it adds cu_seqlens over the flattened batch."""
 
     def __init__(self, eos: int, document_boundaries: bool, vocab_size: int | None = None,
                  eod_mask_loss: bool = False):
@@ -121,7 +122,7 @@ def build_dataloader(cfg: Data, tokenizer, *, seq_len: int, local_batch_size: in
                      dp_world_size: int, seed: int, vocab_size: int | None = None,
                      eod_mask_loss: bool = False) -> StatefulDataLoader:
     """The infinite, exactly resumable loader of this data-parallel rank's batches (see the module docstring).
-    `tokenizer` may be None for the mock source (EOS is then token 0)."""
+    `tokenizer` may be None for the mock source; EOS is then token 0."""
     validate_data_config(cfg)
     if seq_len < 1 or local_batch_size < 1:
         raise ValueError(f"seq_len and local_batch_size must be positive (got {seq_len}, {local_batch_size})")
@@ -148,8 +149,8 @@ def build_dataloader(cfg: Data, tokenizer, *, seq_len: int, local_batch_size: in
 
 
 class HeldOut:
-    """One rank's shard of a held-out set (validation) as batches: packed as the training data is, never
-    shuffled, and read from its start on every pass, so each validation sees the same batches."""
+    """One rank's shard of a held-out set (validation) as batches. It is packed as the training data is, never shuffled,
+    and read from its start on every pass, so each validation sees the same batches."""
 
     def __init__(self, cfg: Data, tokenizer, *, seq_len: int, local_batch_size: int, dp_rank: int,
                  dp_world_size: int, vocab_size: int, eod_mask_loss: bool = False):
@@ -166,7 +167,7 @@ class HeldOut:
                                eos=self.eos, vocab_size=self.vocab_size, max_doc_len=2 * self.seq_len)
 
     def batches(self):
-        """(batch, whether this rank's shard ended with it), forever; the shard starts over after its end."""
+        """(batch, whether this rank's shard ended with it), forever. The shard starts over after its end."""
         documents = self._documents()
         packer = Packer(documents, self.seq_len, self.eos)
         while True:
@@ -176,11 +177,14 @@ class HeldOut:
 
 
 def _own_process_group(worker_id: int) -> None:
-    """A loader worker leaves the trainer's process group: a SIGTERM sent to the group (a terminal's job control,
-    `kill -- -PGID`, torchrun stopping a rank) then reaches the trainer alone, which saves and stops
-    (train.StopRequest), instead of killing the workers first and the run with them. The loader stops its
-    workers itself; on Linux a worker is also killed when its trainer dies (a signal to the old group, SIGKILL
-    included, no longer reaches it), not a few seconds later by the loader's watchdog."""
+    """Moves a loader worker out of the trainer's process group.
+
+    A SIGTERM sent to the group (a terminal's job control, `kill -- -PGID`, torchrun stopping a rank) then reaches only
+    the trainer. The trainer saves and stops (train.StopRequest), instead of the workers being killed first and the run
+    with them. The loader stops its workers itself.
+
+    A signal to the trainer's group, SIGKILL included, does not reach the worker either. So on Linux the worker is also
+    killed as soon as its trainer dies, not a few seconds later by the loader's watchdog."""
     os.setpgid(0, 0)
     if sys.platform.startswith("linux"):
         try:

@@ -1,24 +1,25 @@
-"""Preference pairs for DPO (hybridtitan.dpo): read, rendered through the chat template, tokenized and checked
+"""Preference pairs for DPO (hybridtitan.dpo). They are read, rendered through the chat template, tokenized and checked
 whole before anything is written, then batched by an exactly resumable loader.
 
     pairs = read_pairs(cfg.dpo, tokenizer, max_length=seq_len)    ValueError (one line, naming the row and field)
     loader = preference_loader(pairs, local_batch_size=4, dp_rank=r, dp_world_size=w, seed=42)
     batch = next(iter(loader))   {"input_ids": [2B, T], "labels": [2B, T]}: rows [0, B) chosen, [B, 2B) rejected
 
-A row holds a prompt, a chosen and a rejected response (dpo.prompt_field, chosen_field, rejected_field). The prompt
-is a text (the user's turn) or a list of {role, content} messages; a response is a text, or a list of messages
-whose last is the response (the assistant's) and whose others, where there are any, are the prompt (Hugging Face's
-ultrafeedback_binarized holds its pairs so). The template renders the prompt with the generation prompt, and the
-conversation with the response; the response's tokens are what the second adds to the first. Each sequence is the
-prompt's tokens then the response's, at most ``max_length`` (training.seq_len): a longer response is cut to fit
-(counted, and said in the log); a prompt that leaves no room for a response token is refused. The labels count the
-response's tokens alone (IGNORE_INDEX elsewhere); the rows are padded with EOS to ``max_length``.
+A row holds a prompt, a chosen response and a rejected response (dpo.prompt_field, chosen_field, rejected_field). The
+prompt is a text (the user's turn) or a list of {role, content} messages. A response is a text, or a list of messages.
+In a list, the last message is the response (the assistant's), and the others, if any, are the prompt. Hugging Face's
+ultrafeedback_binarized holds its pairs that way.
 
-Local .jsonl files are read here, line by line (a line that is not JSON is refused with its number); other files,
-folders and hub datasets through datasets. The order is hybridtitan.data.sources' (ShardedDocuments over the pairs:
-a permutation seeded by (seed, epoch), rank r of n taking positions r, r + n, ...), and so is the checkpointed
-cursor, a few integers.
-"""
+The template renders the prompt with the generation prompt, and the conversation with the response. The response's
+tokens are what the second adds to the first. Each sequence is the prompt's tokens and then the response's, at most
+``max_length`` (training.seq_len) in all. A longer response is cut to fit; the cuts are counted and the log says so. A
+prompt that leaves no room for a response token is refused. The labels count only the response's tokens (IGNORE_INDEX
+elsewhere). The rows are padded with EOS to ``max_length``.
+
+Local .jsonl files are read here, line by line, and a line that is not JSON is refused with its number. Other files,
+folders and hub datasets are read through datasets. The order is that of hybridtitan.data.sources: ShardedDocuments over
+the pairs, a permutation seeded by (seed, epoch), with rank r of n taking positions r, r + n, .... The checkpointed
+cursor is the same too, a few integers."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ class Pairs:
 
 
 def _local_jsonl(path: str) -> list[str] | None:
-    """The .jsonl files ``path`` names, where it names local .jsonl files only (read here); else None."""
+    """The .jsonl files ``path`` names, where it names only local .jsonl files (read here). Otherwise None."""
     if not looks_local(path) or os.path.isdir(resolve_path(path)):
         return None
     files = local_data_files(path)
@@ -110,8 +111,8 @@ def _rows(path: str, name: str, split: str, fields: tuple[str, ...], key: str):
 
 
 def _split_row(where: str, row: dict, fields: tuple[str, str, str], key: str):
-    """(prompt messages or text, chosen response, rejected response) of one row; ValueError naming the row and field
-    for a missing field, an empty response, or responses that continue different conversations."""
+    """(prompt messages or text, chosen response, rejected response) of one row. Raises ValueError naming the row and
+    field for a missing field, an empty response, or responses that continue different conversations."""
     prompt_field, chosen_field, rejected_field = fields
     responses, contexts = [], []
     for field in (chosen_field, rejected_field):
@@ -146,7 +147,7 @@ def _split_row(where: str, row: dict, fields: tuple[str, str, str], key: str):
 
 
 def _texts(tok, template, where: str, prompt, response: str, key: str, field: str) -> tuple[str, str]:
-    """(the prompt's text, the response's): through the template, or (template False) as they are."""
+    """(the prompt's text, the response's text), through the template, or as they are when template is False."""
     if template is False:
         if not isinstance(prompt, str):
             raise ValueError(f"{key}: {where}: dpo.chat_template none takes a prompt text, not messages")
@@ -161,8 +162,8 @@ def _texts(tok, template, where: str, prompt, response: str, key: str, field: st
 
 
 def read_pairs(d, tokenizer, *, max_length: int, vocab_size: int, validation: bool = False) -> Pairs:
-    """Every pair of the [dpo] section ``d`` (its validation set where ``validation``), tokenized and checked; a
-    ValueError of one line naming the row and field for the first malformed one (module docstring)."""
+    """Every pair of the [dpo] section ``d``, tokenized and checked; with ``validation``, its validation set. Raises a
+    one-line ValueError naming the row and field of the first malformed pair (see the module docstring)."""
     key = "dpo.validation_path" if validation else "dpo.path"
     path = (d.validation_path or d.path) if validation else d.path
     split = d.validation_split if validation else d.split
@@ -234,7 +235,8 @@ def collate(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
 
 
 class PreferenceDataset(IterableDataset):
-    """This rank's pairs, epoch after epoch, in the seeded order. Stateful: its cursor is in every checkpoint."""
+    """This rank's pairs, epoch after epoch, in the seeded order. It is Stateful, so its cursor is in every checkpoint.
+    """
 
     def __init__(self, pairs: Pairs, *, dp_rank: int, dp_world_size: int, seed: int, shuffle: bool = True):
         self.pairs = pairs
@@ -264,7 +266,7 @@ def preference_loader(pairs: Pairs, *, local_batch_size: int, dp_rank: int, dp_w
 
 
 class HeldOutPairs:
-    """One rank's shard of the held-out pairs as batches, in order from its start on every pass (validation)."""
+    """One rank's shard of the held-out pairs as batches, read in order from its start on every pass (validation)."""
 
     def __init__(self, pairs: Pairs, *, local_batch_size: int, dp_rank: int, dp_world_size: int):
         if len(pairs) < dp_world_size:
@@ -275,7 +277,7 @@ class HeldOutPairs:
         self.length = len(range(dp_rank, len(pairs), dp_world_size))  # this rank's pairs
 
     def batches(self):
-        """(batch, whether this rank's shard ended with it), forever; the shard starts over after its end."""
+        """(batch, whether this rank's shard ended with it), forever. The shard starts over after its end."""
         cursor = ShardedDocuments(PairIndices(self.pairs), shard=self.dp_rank, num_shards=self.dp_world_size,
                                   seed=0, shuffle=False)
         taken = 0

@@ -1,15 +1,17 @@
-"""Document sources: each rank's documents as token-id arrays, in a seeded order, epoch after epoch, behind a
-cursor small enough to checkpoint.
+"""Document sources: each rank's documents as token-id arrays, in a seeded order, epoch after epoch. A small cursor
+holds the position, so it can be checkpointed.
 
-Random-access sources (a Hugging Face map-style dataset, Megatron .bin/.idx files, mock tokens) share one
-ordering rule, in `ShardedDocuments`: epoch e visits the documents in the order of a permutation seeded by
-(seed, e) (the identity without shuffle), and shard s of n takes positions s, s + n, s + 2n, ... of it. The
-permutation depends on neither the shard nor the number of shards, which is what lets a checkpoint move to a
-different data-parallel size (see `ShardedDocuments.load_state_dict`). data.document_slice narrows the source
-first (`SlicedSource`: a fraction of one permutation seeded by document_slice_seed), so the shards split the slice.
-A streaming Hugging Face dataset has no random access: `StreamingDocuments` follows the stream and checkpoints it
-with datasets' own state_dict.
-"""
+Random-access sources (a Hugging Face map-style dataset, Megatron .bin/.idx files, mock tokens) share one ordering rule,
+in `ShardedDocuments`. Epoch e visits the documents in the order of a permutation seeded by (seed, e), or the identity
+without shuffle. Shard s of n takes positions s, s + n, s + 2n, ... of it. The permutation depends on neither the shard
+nor the number of shards. That lets a checkpoint move to a different data-parallel size (see
+`ShardedDocuments.load_state_dict`).
+
+data.document_slice narrows the source first (`SlicedSource`): it keeps a fraction of one permutation seeded by
+document_slice_seed. The shards then split the slice.
+
+A streaming Hugging Face dataset has no random access. `StreamingDocuments` follows the stream and checkpoints it with
+datasets' own state_dict."""
 
 from __future__ import annotations
 
@@ -37,15 +39,15 @@ BLOCK = 64
 
 
 def _text(value, field: str, where: str) -> str:
-    """A document's text, or "" for a missing one; anything else is bad data, said in one line (the tokenizer
-    would fail on it with a traceback, or encode a list as a pre-split text without a word)."""
+    """A document's text, or "" for a missing one. Anything else is bad data and raises DataError in one line. Otherwise
+    the tokenizer would fail on it with a traceback, or encode a list as a pre-split text without a word."""
     if value is None or isinstance(value, str):
         return value or ""
     raise DataError(f"data: {where}: {field!r} holds {type(value).__name__} {repr(value)[:60]}, not text")
 
 
 class HFSource:
-    """A map-style Hugging Face dataset, tokenized on the fly (no special tokens: packing adds the EOS)."""
+    """A map-style Hugging Face dataset, tokenized on the fly. No special tokens are added; packing adds the EOS."""
 
     random_order = False
 
@@ -65,7 +67,8 @@ class HFSource:
 
 
 class MegatronSource:
-    """One or more Megatron .bin/.idx files, read as one list of documents (uniformly: no blending weights)."""
+    """One or more Megatron .bin/.idx files, read as one list of documents. The files are read uniformly, without
+    blending weights."""
 
     random_order = False
 
@@ -86,8 +89,9 @@ class MegatronSource:
 
 
 class MockSource:
-    """Random tokens in documents of random length, for smoke tests and benchmarks without data. Document i
-    is drawn from its own generator seeded by (seed, i), so any document can be regenerated, in any order.
+    """Random tokens in documents of random length, for smoke tests and benchmarks without data.
+
+    Document i is drawn from its own generator seeded by (seed, i), so any document can be regenerated, in any order.
     Token ids never equal `eos`, so document boundaries are exactly where packing puts them."""
 
     random_order = True  # already random: no permutation (it could not be held for 2**40 documents anyway)
@@ -111,27 +115,32 @@ class MockSource:
 
 
 def slice_bounds(num_documents: int, document_slice) -> tuple[int, int]:
-    """The positions [lo, hi) of the permutation that data.document_slice [start, end) keeps of ``num_documents``:
-    round(start * n) and round(end * n), so that slices that meet ([0, 0.2] and [0.2, 1]) share their bound and
-    neither lose nor repeat a document."""
+    """The positions [lo, hi) of the permutation that data.document_slice [start, end) keeps of ``num_documents``.
+
+    They are round(start * n) and round(end * n). Slices that meet, such as [0, 0.2] and [0.2, 1], then share their
+    bound, and no document is lost or repeated."""
     start, end = document_slice
     return round(start * num_documents), round(end * num_documents)
 
 
 def slice_indices(num_documents: int, document_slice, seed: int) -> np.ndarray:
-    """The indices of the documents data.document_slice keeps of a random-access source of ``num_documents``:
-    positions [lo, hi) (slice_bounds) of the permutation seeded by ``seed``, sorted (the files' order)."""
+    """The indices of the documents that data.document_slice keeps of a random-access source of ``num_documents``. They
+    are positions [lo, hi) (slice_bounds) of the permutation seeded by ``seed``, sorted into the files' order."""
     lo, hi = slice_bounds(num_documents, document_slice)
     dtype = np.int32 if num_documents < 2**31 else np.int64
     return np.sort(np.random.default_rng(seed).permutation(num_documents)[lo:hi]).astype(dtype)
 
 
 class SlicedSource:
-    """The documents of a random-access source that data.document_slice keeps: positions [lo, hi) of one
-    permutation of all of them, seeded by data.document_slice_seed alone (not the training seed, not the shard),
-    so that every stage reading the data takes its fraction of the same order and every rank sees the same
-    slice; the kept documents in the source's order (the loader shuffles them as it would the whole). A source
-    already in random order (mock) keeps the positions themselves: its documents are independent draws."""
+    """The documents of a random-access source that data.document_slice keeps.
+
+    It keeps positions [lo, hi) of one permutation of all the documents. The permutation is seeded by
+    data.document_slice_seed alone, not by the training seed or the shard. So every stage that reads the data takes its
+    fraction of the same order, and every rank sees the same slice. The kept documents stay in the source's order; the
+    loader shuffles them as it would the whole source.
+
+    A source already in random order (mock) keeps the positions themselves, because its documents are independent draws.
+    """
 
     def __init__(self, source, document_slice, seed: int):
         self.source = source
@@ -167,8 +176,9 @@ class SlicedSource:
 
 class ShardedDocuments:
     """Shard `shard` of `num_shards` of a random-access source, in a seeded order, forever (epochs wrap).
-    The cursor is (epoch, pos): this shard's next document is global position shard + pos * num_shards of
-    epoch `epoch`'s order. Empty documents are skipped."""
+
+    The cursor is (epoch, pos). This shard's next document is at global position shard + pos * num_shards of epoch
+    `epoch`'s order. Empty documents are skipped."""
 
     def __init__(self, source, *, shard: int, num_shards: int, seed: int, shuffle: bool):
         if not 0 <= shard < num_shards:
@@ -183,7 +193,7 @@ class ShardedDocuments:
         self._cache: dict[tuple[int, int], np.ndarray] = {}  # (epoch, pos) -> tokens: read ahead, not state
 
     def _length(self) -> int:
-        """Documents of this shard per epoch (shards differ by at most one)."""
+        """Documents of this shard per epoch. Shards differ by at most one."""
         return math.ceil((len(self.source) - self.shard) / self.num_shards)
 
     def _global_index(self, epoch: int, pos: int) -> int:
@@ -230,7 +240,7 @@ class ShardedDocuments:
         if state["num_shards"] != self.num_shards:
             # Another data-parallel size: each old shard had read about `pos` documents, so the epoch's first
             # pos * old_shards documents are (nearly) all consumed. Each new shard continues at its first position
-            # at or past that point; at most a few documents per shard are skipped or read twice.
+            # at or past that point. At most a few documents per shard are skipped or read twice.
             consumed = state["pos"] * state["num_shards"]
             self.pos = max(0, math.ceil((consumed - self.shard) / self.num_shards))
             logger.warning("data: resuming a loader saved with %d shards on %d shards: shard %d continues epoch %d "
@@ -240,9 +250,10 @@ class ShardedDocuments:
 
 
 class StreamingDocuments:
-    """A streaming Hugging Face dataset, split by data-parallel rank, tokenized on the fly. The cursor is the
-    epoch and datasets' own state after the last document read (None at an epoch's start). Resume is exact
-    without shuffle; with shuffle, datasets refills its shuffle buffer on resume (its documented limit), so the
+    """A streaming Hugging Face dataset, split by data-parallel rank and tokenized on the fly.
+
+    The cursor is the epoch and datasets' own state after the last document read (None at an epoch's start). Resume is
+    exact without shuffle. With shuffle, datasets refills its shuffle buffer on resume (its documented limit), so the
     order after a resume differs from an uninterrupted run."""
 
     def __init__(self, dataset, tokenizer, text_field: str, *, shard: int, num_shards: int, seed: int,
@@ -289,8 +300,8 @@ class StreamingDocuments:
                 return tokens
 
     def state_dict(self) -> dict:
-        # datasets' state as one JSON string: its nesting varies along the stream (None at an epoch start), and
-        # DCP loads a checkpoint into the current state_dict's structure, which must therefore stay the same.
+        # datasets' state as one JSON string. Its nesting varies along the stream (None at an epoch start), but DCP
+        # loads a checkpoint into the current state_dict's structure, which must therefore stay the same.
         hf_state = json.dumps(self.hf_state) if self.hf_state is not None else ""
         return {"epoch": self.epoch, "hf_state": hf_state, "shard": self.shard, "num_shards": self.num_shards}
 
@@ -309,9 +320,10 @@ class StreamingDocuments:
 
 
 def load_hf_dataset(cfg: Data, cache_dir: str | None = None):
-    """datasets.load_dataset for `data.path`: a local folder, local files (builder from the extension, the files
-    are the split `data.split`), or a hub name. ``cache_dir``: datasets' cache of the download and of what is made
-    from it (default: datasets' own, under HF_HOME)."""
+    """datasets.load_dataset for `data.path`: a local folder, local files, or a hub name.
+
+    For local files, the builder follows the extension, and the files form the split `data.split`. ``cache_dir`` is
+    datasets' cache of the download and of what is made from it; by default it is datasets' own, under HF_HOME."""
     import datasets
 
     path = resolve_path(cfg.path)
@@ -369,9 +381,10 @@ def build_documents(cfg: Data, tokenizer, *, shard: int, num_shards: int, seed: 
 
 
 def summarize(cfg: Data) -> dict | None:
-    """What a [data] section holds: {"files", "documents", "tokens"} (tokens None where the text is tokenized as it
-    is read), those of its data.document_slice where it has one (and then "all_documents", the whole's); None for
-    mock data or a streamed dataset (no length)."""
+    """What a [data] section holds: {"files", "documents", "tokens"}.
+
+    "tokens" is None where the text is tokenized as it is read. With data.document_slice the counts are the slice's, and
+    "all_documents" gives the whole source's. Returns None for mock data or a streamed dataset, which have no length."""
     if cfg.source == "megatron":
         files = [MegatronDataset(p) for p in megatron_prefixes(cfg.path)]
         summary = {"files": len(files), "documents": sum(len(f) for f in files),
@@ -394,6 +407,6 @@ def summarize(cfg: Data) -> dict | None:
 
 
 def _document_tokens(f: MegatronDataset) -> np.ndarray:
-    """Each document's tokens in one Megatron file (a document may be several sequences)."""
+    """Each document's tokens in one Megatron file. A document may be several sequences."""
     ends = np.concatenate([[0], np.cumsum(f.sequence_lengths, dtype=np.int64)])
     return ends[f.document_indices[1:]] - ends[f.document_indices[:-1]]

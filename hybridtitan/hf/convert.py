@@ -2,11 +2,11 @@
 
 Three layouts are written and read:
 
-* transformers' LlamaForCausalLM for a pure grouped-query-attention stack (pattern ``*-`` repeated), see
-  hybridtitan.hf.llama;
+* transformers' LlamaForCausalLM, for a pure grouped-query-attention stack (pattern ``*-`` repeated). See
+  hybridtitan.hf.llama.
 
-* FLA's own (``GatedDeltaNetForCausalLM``, ``KDAForCausalLM``) for a pure GDN or KDA stack (pattern ``M-``
-  repeated): FLA block i holds our sublayers 2i (mixer) and 2i+1 (MLP)::
+* FLA's own (``GatedDeltaNetForCausalLM``, ``KDAForCausalLM``), for a pure GDN or KDA stack (pattern ``M-``
+  repeated). FLA block i holds our sublayers 2i (mixer) and 2i+1 (MLP)::
 
       layers.{2i}.norm.weight     <-> model.layers.{i}.attn_norm.weight
       layers.{2i}.mixer.<name>    <-> model.layers.{i}.attn.<name>        (same names and shapes as FLA's)
@@ -15,12 +15,11 @@ Three layouts are written and read:
       embeddings.weight, norm.weight  <-> model.embeddings.weight, model.norm.weight
       lm_head.weight (untied only)    <-> lm_head.weight (FLA ties it to the embedding otherwise)
 
-* hybridtitan's own (``model_type: hybridtitan``) for everything else: HybridLM's names under ``model.``, which
-  are exactly the keys of a DCP checkpoint.
+* hybridtitan's own (``model_type: hybridtitan``), for everything else. Its tensors are HybridLM's names under
+  ``model.``, exactly the keys of a DCP checkpoint.
 
 Every failure a person can cause (a missing or foreign folder, a config FLA's layout cannot express) raises
-ConversionError with one line that says what is wrong.
-"""
+ConversionError with one line that says what is wrong."""
 
 from __future__ import annotations
 
@@ -298,7 +297,7 @@ def model_args_from_hf_config(cfg: dict, folder: str) -> ModelArgs:
 
 
 def read_hf_model(folder: str) -> tuple[ModelArgs, dict[str, torch.Tensor], str]:
-    """(ModelArgs, state under HybridLM's names, model_type) of a Llama folder (LlamaForCausalLM), an FLA GDN/KDA
+    """(ModelArgs, the state under HybridLM's names, model_type) of a Llama folder (LlamaForCausalLM), an FLA GDN/KDA
     folder or a hybridtitan export."""
     args, model_type, rename = _hf_naming(folder)
     state = {}
@@ -310,9 +309,10 @@ def read_hf_model(folder: str) -> tuple[ModelArgs, dict[str, torch.Tensor], str]
 
 
 def hf_tensor_files(folder: str) -> tuple[ModelArgs, dict[str, tuple[str, str]]]:
-    """(ModelArgs, HybridLM name -> (safetensors file, its name there)) of a safetensors folder: where each tensor
-    lies, so that a rank can read the rows it holds alone (model_loader.load_into_shards). ConversionError for a
-    folder of pytorch_model.bin alone (no partial reads)."""
+    """(ModelArgs, HybridLM name -> (safetensors file, its name there)) of a safetensors folder.
+
+    It says where each tensor lies, so that a rank can read only the rows it holds (model_loader.load_into_shards).
+    Raises ConversionError for a folder with only pytorch_model.bin, which allows no partial reads."""
     from safetensors import safe_open
 
     args, _, rename = _hf_naming(folder)
@@ -343,7 +343,8 @@ def hf_tensor_files(folder: str) -> tuple[ModelArgs, dict[str, tuple[str, str]]]
 
 
 def _hf_naming(folder: str):
-    """(ModelArgs, model_type, a function: the folder's tensor name -> HybridLM's, None for a tied copy)."""
+    """(ModelArgs, model_type, a function from the folder's tensor names to HybridLM's). The function returns None for a
+    tied copy."""
     if not os.path.isdir(folder):
         raise ConversionError(f"model folder not found: {folder}")
     if not is_hf_folder(folder):
@@ -368,8 +369,8 @@ def _hf_naming(folder: str):
 
 
 def load_tokenizer(path: str, vocab_size: int | None = None):
-    """A tokenizer from a folder or hub name; ConversionError in one line if nothing loads, or if it has ids past
-    ``vocab_size`` (the model's embedding would fail on them far from the cause)."""
+    """A tokenizer from a folder or hub name. Raises ConversionError in one line if nothing loads, or if the tokenizer
+    has ids past ``vocab_size``. Otherwise the model's embedding would fail on those ids, far from the cause."""
     from transformers.utils import logging as hf_logging
 
     from hybridtitan.data import build_tokenizer
@@ -396,8 +397,8 @@ def load_hf_model(folder: str, dtype: torch.dtype = torch.float32, device="cpu")
 
 
 def _only_an_export(folder: str, entries: list[str]) -> bool:
-    """Every entry is a file an export writes: config and tokenizer JSONs, weights, our remote code, tokenizer
-    files of other kinds."""
+    """Whether every entry is a file an export writes: config and tokenizer JSONs, weights, our remote code, and
+    tokenizer files of other kinds."""
     from hybridtitan.hf.configuration import is_model_code
 
     def ours(name: str) -> bool:
@@ -408,8 +409,9 @@ def _only_an_export(folder: str, entries: list[str]) -> bool:
 
 
 def _only_an_import(folder: str, entries: list[str]) -> bool:
-    """A model-only DCP step folder (what an import writes), with at most its tokenizer beside: not a training
-    checkpoint (its optimizer and data position would be lost) nor a folder of step folders."""
+    """Whether the folder is a model-only DCP step folder, as an import writes it, with at most its tokenizer beside it.
+    A training checkpoint is not (its optimizer and data position would be lost), and nor is a folder of step folders.
+    """
     from hybridtitan.checkpoint import is_model_only
 
     subfolders = [n for n in entries if os.path.isdir(os.path.join(folder, n))]
@@ -423,9 +425,11 @@ OVERWRITABLE = {
 
 
 def output_problem(output: str, overwrite: bool, kind: str) -> str | None:
-    """Why ``output`` may not be written by ``kind`` ("export" or "import"), or None. A missing or empty folder
-    may be; an existing one only with ``overwrite``, and only when it holds nothing but what that tool writes:
-    --overwrite replaces an earlier result, never a folder of other things (a training run, a project)."""
+    """Why ``kind`` ("export" or "import") may not write ``output``, or None if it may.
+
+    A missing or empty folder may be written. An existing one may be written only with ``overwrite``, and only when it
+    holds nothing but what that tool writes. So --overwrite replaces an earlier result, never a folder of other things
+    such as a training run or a project."""
     if not os.path.exists(output):
         return None
     if not os.path.isdir(output):
@@ -444,8 +448,8 @@ def output_problem(output: str, overwrite: bool, kind: str) -> str | None:
 
 
 def publish_folder(tmp: str, output: str) -> None:
-    """Moves a completely written folder into place; an existing ``output`` (already allowed to be replaced) is
-    swapped out first and removed after, so ``output`` is never half-written."""
+    """Moves a completely written folder into place. An existing ``output``, already allowed to be replaced, is swapped
+    out first and removed afterwards, so ``output`` is never half-written."""
     if os.path.exists(output):
         old = tmp + ".old"
         os.rename(output, old)

@@ -1,10 +1,9 @@
 """hybridtitan's own Hugging Face model class: HybridLM behind transformers' PreTrainedModel and GenerationMixin.
 
-The weights keep HybridLM's names under ``model.`` (the names of a DCP checkpoint), so the forward is HybridLM's
-own code and its logits are bit-for-bit the trainer's. Generation carries a ``HybridCache``: a transformers Cache
-around HybridLM's InferenceCache (convolution windows, recurrent states, MLA latents ``c_kv``/``k_rope``), so each
-new token costs one step instead of a pass over the prefix.
-"""
+The weights keep HybridLM's names under ``model.``, the names of a DCP checkpoint. So the forward is HybridLM's own
+code, and its logits are bit-for-bit the trainer's. Generation carries a ``HybridCache``. It is a transformers Cache
+around HybridLM's InferenceCache (convolution windows, recurrent states, MLA latents ``c_kv``/``k_rope``). So each new
+token costs one step instead of a pass over the prefix."""
 
 from __future__ import annotations
 
@@ -30,14 +29,14 @@ from .configuration import HybridTitanConfig, without_auto_class
 
 logger = logging.getLogger("hybridtitan")
 
-# transformers 5.24 renamed the output's past_key_values to cache; pyproject admits the releases before it too
+# the output's cache field: `cache` from transformers 5.24, `past_key_values` before it (pyproject admits both)
 _CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
 
 
 class HybridCache(Cache):
-    """The decoding state of every sublayer (a transformers Cache, so ``generate`` carries and reorders it).
+    """The decoding state of every sublayer. It is a transformers Cache, so ``generate`` carries and reorders it.
 
-    Recurrent states cannot be rolled back, so ``crop`` refuses anything but a no-op (as FLA's caches do)."""
+    Recurrent states cannot be rolled back, so ``crop`` refuses anything but a no-op, as FLA's caches do."""
 
     is_compileable = False
 
@@ -133,14 +132,14 @@ class HybridTitanPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True  # HybridTitanForCausalLM._set_gradient_checkpointing
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """As transformers', without copying this package's modules into the folder after a trust_remote_code
-        load: the config's save_pretrained writes the two small files that auto_map names."""
+        """As transformers' save_pretrained, but it does not copy this package's modules into the folder after a
+        trust_remote_code load. The config's save_pretrained writes the two small files that auto_map names."""
         with without_auto_class(self), without_auto_class(self.config):
             return super().save_pretrained(save_directory, *args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        """HybridLM.init_weights, one module at a time, skipping modules whose parameters were loaded."""
+        """HybridLM.init_weights, one module at a time. Modules whose parameters were loaded are skipped."""
         params = list(module.parameters(recurse=False))
         if not params or all(getattr(p, "_is_hf_initialized", False) for p in params):
             return
@@ -148,15 +147,17 @@ class HybridTitanPreTrainedModel(PreTrainedModel):
 
 
 class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
-    """A causal LM over HybridLM. ``forward`` accepts what ``generate`` passes. A batch padded on the left (or
-    anywhere but the end) is fed a row at a time, so that no pad enters a recurrent state, a convolution window or
-    attention, and its cache then decodes the rows together; right padding is harmless without a cache."""
+    """A causal LM over HybridLM. ``forward`` accepts what ``generate`` passes.
+
+    A batch padded on the left, or anywhere but the end, is fed one row at a time. So no pad enters a recurrent state, a
+    convolution window or attention. Its cache then decodes the rows together. Right padding is harmless without a
+    cache."""
 
     def __init__(self, config: HybridTitanConfig):
         super().__init__(config)
         # the GPU kernels where there is a GPU and FLA imports (and the config allows them); the PyTorch forms
-        # everywhere else. Kernels runs FLA's ops on CUDA (and ROCm) tensors only, so without a GPU FLA and Triton are
-        # not imported at all (on a CPU that import costs ~2.5 s of a load and prints FLA's CPU notice)
+        # everywhere else. Kernels runs FLA's ops on CUDA (and ROCm) tensors only, so without a GPU FLA and Triton
+        # are not imported at all. On a CPU that import would cost ~2.5 s of a load and print FLA's CPU notice.
         fla = getattr(config, "use_fla_kernels", True) and torch.cuda.is_available() and fla_available()
         self.model = HybridLM(config.to_model_args(), Kernels(KernelConfig(reference=not fla)))
         self.uses_fla_kernels = fla
@@ -180,14 +181,17 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
 
     def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None,
                                     every_n_layers: int = 1, **kwargs) -> None:
-        """Where transformers' gradient_checkpointing_enable / activation_checkpointing_enable (and their disable)
-        end: every ``every_n_layers``-th sublayer (attention, mixer or MLP) recomputed in the backward pass with
-        ``gradient_checkpointing_func``, as the trainer's activation_checkpoint modes; or the plain sublayers again."""
+        """The method that transformers' gradient_checkpointing_enable and activation_checkpointing_enable, and their
+        disable, call.
+
+        With ``enable``, every ``every_n_layers``-th sublayer (attention, mixer or MLP) is recomputed in the backward
+        pass with ``gradient_checkpointing_func``, as in the trainer's activation_checkpoint modes. Without it, the
+        plain sublayers come back."""
         from hybridtitan.parallel import apply_activation_checkpointing, remove_activation_checkpointing
 
         if enable and gradient_checkpointing_func is not None:
-            # the sublayers take keyword arguments, which torch's reentrant checkpoint cannot pass; older transformers
-            # releases asked for it by default, and torch's own default is reentrant too
+            # the sublayers take keyword arguments, which torch's reentrant checkpoint cannot pass. Some transformers
+            # releases ask for reentrant by default, and torch's own default is reentrant too.
             keywords = getattr(gradient_checkpointing_func, "keywords", None) or {}
             if keywords.get("use_reentrant") is not False:
                 if keywords.get("use_reentrant"):
@@ -202,9 +206,11 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
 
     def _rows_alone(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: HybridCache | None,
                     collected: list | None) -> torch.Tensor:
-        """The final-normed hidden states [B, T, D] of a padded batch, each row's real tokens fed alone (a recurrent
-        state, a convolution window or attention never sees a pad; the pads' states are zero), with a cache holding
-        the rows' states stacked (InferenceCache.stack) where one is kept, and their hidden states in ``collected``."""
+        """The final-normed hidden states [B, T, D] of a padded batch, with each row's real tokens fed alone.
+
+        A recurrent state, a convolution window or attention never sees a pad, and the pads' states are zero. Where a
+        cache is kept, it holds the rows' states stacked (InferenceCache.stack). The rows' hidden states go into
+        ``collected``."""
         B, T = input_ids.shape
         rows, caches, hiddens = [], [], []
         for i in range(B):
@@ -286,8 +292,8 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             # transformers' Trainer passes num_items_in_batch, the counted labels of all of a step's accumulated
-            # micro-batches, and then leaves the loss unscaled: the sum over that count keeps the step's loss and
-            # gradients the same for any number of micro-batches
+            # micro-batches, and then leaves the loss unscaled. The sum over that count keeps the step's loss and
+            # gradients the same for any number of micro-batches.
             num_items = kwargs.get("num_items_in_batch")
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                    labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100,
@@ -304,8 +310,8 @@ class HybridTitanForCausalLM(HybridTitanPreTrainedModel, GenerationMixin):
 
 @contextlib.contextmanager
 def _kernel_failures(on_fla: bool):
-    """A failure inside FLA's or Triton's code (a kernel that does not compile, or that FLA refuses under this
-    Triton) as one line saying what to install, instead of a compiler's traceback."""
+    """Turns a failure inside FLA's or Triton's code into one line that says what to install, instead of a compiler's
+    traceback. Such a failure is a kernel that does not compile, or one that FLA refuses under this Triton."""
     try:
         yield
     except Exception as e:
@@ -330,7 +336,7 @@ def kernel_failure_message(e: Exception) -> str:
 
 
 def _left_padded(attention_mask: torch.Tensor | None) -> bool:
-    """A 2-D mask with a pad before a real token in some row (left padding, or pads anywhere but at the end)."""
+    """Whether a 2-D mask has a pad before a real token in some row (left padding, or pads anywhere but at the end)."""
     if not _padded(attention_mask):
         return False
     m = attention_mask.long()
@@ -342,8 +348,8 @@ def _padded(attention_mask: torch.Tensor | None) -> bool:
 
 
 def _check_mask(attention_mask: torch.Tensor | None, with_cache: bool) -> None:
-    """A batch fed whole: right padding is harmless in a causal forward without a cache; a cache decoding from
-    left-padded rows (their padding already set aside, _rows_alone) takes masks whose new positions are real."""
+    """Checks the mask of a batch fed whole. Right padding is harmless in a causal forward without a cache. A cache that
+    decodes from left-padded rows (already set aside by _rows_alone) takes masks whose new positions are real."""
     if not _padded(attention_mask):
         return
     if with_cache and not _left_padded(attention_mask):

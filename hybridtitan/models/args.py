@@ -48,7 +48,7 @@ class Mamba2Args:
 
 @dataclass
 class MLAArgs:
-    """DeepSeek-V2 multi-latent attention; q_lora_rank = 0 projects queries directly."""
+    """DeepSeek-V2 multi-latent attention. With q_lora_rank = 0 the queries are projected directly."""
 
     num_heads: int = 16
     q_lora_rank: int = 672  # query latent width (0: queries projected directly)
@@ -68,8 +68,8 @@ class MLAArgs:
 
 @dataclass
 class GQAArgs:
-    """Grouped-query attention with RoPE, Llama's: num_kv_heads key/value heads, each shared by
-    num_heads / num_kv_heads query heads. rope_scaling "llama3" is Llama 3.1's frequency scaling."""
+    """Llama's grouped-query attention with RoPE. Each of the num_kv_heads key/value heads is shared by num_heads /
+    num_kv_heads query heads. rope_scaling "llama3" is Llama 3.1's frequency scaling."""
 
     num_heads: int = 32  # query heads
     num_kv_heads: int = 8  # key/value heads (dividing num_heads)
@@ -189,13 +189,13 @@ def _check_positive(args, prefix: str) -> None:
 
 
 def model_args_to_dict(args: ModelArgs) -> dict:
-    """As model_args.json holds them (a checkpoint's, an export's config.json's model_args)."""
+    """ModelArgs as model_args.json holds them: a checkpoint's, and the model_args of an export's config.json."""
     return dataclasses.asdict(args)
 
 
 def model_args_from_dict(d: dict) -> ModelArgs:
-    """ModelArgs from model_args_to_dict's form; a checkpoint older than a kind of sublayer holds none of its
-    sizes: the defaults."""
+    """ModelArgs from model_args_to_dict's form. A sublayer kind whose sizes the dict lacks takes the defaults, as in a
+    checkpoint saved before that kind existed."""
     d = dict(d)
     for key, cls in (("gdn", GDNArgs), ("kda", KDAArgs), ("mamba2", Mamba2Args), ("mla", MLAArgs), ("gqa", GQAArgs)):
         if key in d:

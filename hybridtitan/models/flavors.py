@@ -11,8 +11,8 @@ import dataclasses
 from .args import GDNArgs, GQAArgs, KDAArgs, Mamba2Args, MLAArgs, ModelArgs
 
 HYBRID_300M = "*-M-M-M-*-M-M-M-*-M-M-M-"
-# YaRN's original context and mscale_all_dim as Primus's runs set them (8,192 for the 1B-8B, 2,048 for the 300M
-# hybrids; 1.0): at rope_scaling_factor 1 YaRN is plain RoPE whatever they are, and an export carries them
+# YaRN's original context and mscale_all_dim as Primus's runs set them: 8,192 for the 1B-8B and 2,048 for the 300M
+# hybrids, and 1.0. At rope_scaling_factor 1 YaRN is plain RoPE whatever they are, and an export carries them.
 MLA_300M = MLAArgs(num_heads=16, q_lora_rank=672, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32,
                    v_head_dim=64, original_max_position_embeddings=2048, mscale_all_dim=1.0)
 MLA_1B = MLAArgs(num_heads=32, q_lora_rank=1344, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=32,
@@ -38,8 +38,8 @@ MLA_RANKS = {(2048, 32, 64): (1344, 128, 32, 32), (3072, 24, 128): (1536, 128, 6
 
 
 def llama_layers_pattern(n_layers: int, attention_layers) -> str:
-    """The pattern of a Llama of ``n_layers`` layers whose layers in ``attention_layers`` keep attention ('*-')
-    and the others become mixers ('M-')."""
+    """The pattern of a Llama of ``n_layers`` layers. The layers in ``attention_layers`` keep attention ('*-'), and the
+    others become mixers ('M-')."""
     return "".join("*-" if i in set(attention_layers) else "M-" for i in range(n_layers))
 
 
@@ -53,18 +53,19 @@ def upcycled(llama: ModelArgs, attention_layers, mixer: str = "mamba2", *, q_lor
              kv_lora_rank: int | None = None, qk_nope_head_dim: int | None = None,
              qk_rope_head_dim: int | None = None, rope_scaling_factor: float | None = None,
              original_max_position_embeddings: int | None = None) -> ModelArgs:
-    """The hybrid that hybridtitan.upcycle makes of a Llama (pattern '*-' per layer, grouped-query attention): the
-    layers in ``attention_layers`` become MLA, the others ``mixer``, everything else as in the Llama. Sizes follow
-    the attention they start from (Zebra-Llama's and HyLo's released models):
+    """The hybrid that hybridtitan.upcycle makes of a Llama (pattern '*-' per layer, grouped-query attention).
 
-    * MLA with the attention's heads, v_head_dim = head_dim, no latent norms, the latent ranks given (MLA_RANKS:
-      Zebra-Llama's for the Llama 3 shapes), YaRN at the Llama's RoPE scaling factor from its original context;
-    * Mamba2 as MambaInLlama: one head per attention head with head_dim and d_state the attention's head_dim,
-      expand 1, x and B projected for the key/value heads (xb_heads); both its mamba2 and gdn sizes are set, so that
-      model.mixer alone switches between them;
-    * Gated DeltaNet as HyLo: its sizes for Llama-3.2-1B (HYLO_GDN), else one key and one value head per
-      attention head, of the attention's head_dim.
-    """
+    The layers in ``attention_layers`` become MLA and the others ``mixer``. Everything else is as in the Llama. The
+    sizes follow the attention they start from, as in Zebra-Llama's and HyLo's released models:
+
+    * MLA keeps the attention's heads, with v_head_dim = head_dim, no latent norms, and the latent ranks given
+      (MLA_RANKS holds Zebra-Llama's for the Llama 3 shapes). YaRN runs at the Llama's RoPE scaling factor from its
+      original context.
+    * Mamba2 follows MambaInLlama: one head per attention head, with head_dim and d_state the attention's head_dim,
+      expand 1, and x and B projected for the key/value heads (xb_heads). Both its mamba2 and gdn sizes are set, so
+      model.mixer alone switches between them.
+    * Gated DeltaNet follows HyLo: its sizes for Llama-3.2-1B (HYLO_GDN), else one key and one value head per
+      attention head, of the attention's head_dim."""
     g = llama.gqa
     if llama.attention != "gqa" or llama.pattern != "*-" * (llama.n_layers // 2):
         raise ValueError("upcycling starts from a Llama: grouped-query attention and MLP sublayers, '*-' per layer")
@@ -109,8 +110,8 @@ def _flavors() -> dict[str, ModelArgs]:
                                        mamba2=Mamba2Args(d_state=64, head_dim=64, n_groups=8, expand=2), mla=MLA_300M),
         "gdn_1B": ModelArgs(**base_1b, mixer="gdn", gdn=GDNArgs(8, 16, 64, 64)),
         "kda_1B": ModelArgs(**base_1b, mixer="kda", kda=KDAArgs(16, 32, 64)),
-        # norm eps 1e-5: what Primus's runs of these use (Megatron's layernorm_epsilon default; the presets'
-        # norm_epsilon is not a Megatron key), and Llama 3's
+        # norm eps 1e-5: Llama 3's, and what Primus's runs of these use (Megatron's layernorm_epsilon default; the
+        # presets' norm_epsilon is not a Megatron key)
         "zebra_llama_1B": ModelArgs(**base_1b, hybrid_attention_ratio=0.25, mixer="mamba2", norm_eps=1e-5,
                                     mamba2=Mamba2Args(d_state=64, head_dim=64, n_groups=8, expand=1), mla=MLA_1B),
         "zebra_kda_1B": ModelArgs(**base_1b, hybrid_attention_ratio=0.25, mixer="kda", kda=KDAArgs(16, 32, 64),
@@ -148,7 +149,7 @@ def _flavors() -> dict[str, ModelArgs]:
         "debug_llama": debug_llama,
         # Hybrids upcycled from the Llamas above (python -m hybridtitan.upcycle; docs/upcycling.md), with the
         # attention layers of Zebra-Llama's released 1B 4MLA-12M2, 3B 6MLA-22M2 and 8B 8MLA-24M2 models and of HyLo's
-        # 1B 4MLA-12GDN; model.pattern chooses others (all-MLA and all-mixer students for layer distillation)
+        # 1B 4MLA-12GDN. model.pattern chooses others (all-MLA and all-mixer students for layer distillation).
         "zebra_llama_1B_upcycled": upcycled(llama_1b, [0, 5, 10, 14]),
         "zebra_llama_3B_upcycled": upcycled(llama_3b, [0, 5, 10, 16, 21, 26]),
         "zebra_llama_8B_upcycled": upcycled(llama_8b, [0, 4, 8, 12, 16, 20, 25, 30]),

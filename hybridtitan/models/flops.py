@@ -1,19 +1,20 @@
 """Training FLOPs per token, counted per sublayer from what it computes (forward + backward = 3 x forward).
 
-Matrix products count 2 FLOPs per multiply-add. Every weight matrix costs 6 FLOPs per parameter per token.
-Beyond the weights:
-- Attention is quadratic: causal, so a token attends to (seq_len + 1) / 2 keys on average; the scores
-  (q.k over qk_head_dim) and the weighted sum (over v_head_dim) cost 2 * H * ctx * (dqk + dv) forward (MLA;
-  grouped-query attention the same with dqk = dv = head_dim and H its query heads). With
-  packed documents (cu_seqlens) tokens attend only within their document, so this count (and the MFU made
-  from it) is an upper bound there.
-- GDN/KDA are linear in the sequence: the chunked delta rule with chunk C = 64 does, per token and value head,
-  the state read and write (q S, k S and k^T u: 3 x 2 K V), the within-chunk products (q k^T and k k^T: 2 x C K,
-  causal halves) and the triangular solve and its use (C (K + V) + C V, causal halves).
-- Mamba2's SSD (simple GLA): state read and write (2 x 2 N P) and within-chunk products (C N + C P).
-- Short convolutions: 2 W channels.
-The output layer (tied or not) counts as a weight matrix; the embedding lookup costs nothing.
-"""
+Matrix products count 2 FLOPs per multiply-add. Every weight matrix costs 6 FLOPs per parameter per token. Beyond the
+weights:
+
+- Attention is quadratic. It is causal, so a token attends to (seq_len + 1) / 2 keys on average. The scores
+  (q.k over qk_head_dim) and the weighted sum (over v_head_dim) cost 2 * H * ctx * (dqk + dv) forward for MLA.
+  Grouped-query attention costs the same with dqk = dv = head_dim and H its query heads. With packed documents
+  (cu_seqlens) tokens attend only within their document, so there this count, and the MFU made from it, is an
+  upper bound.
+- GDN and KDA are linear in the sequence. The chunked delta rule with chunk C = 64 does, per token and value
+  head: the state read and write (q S, k S and k^T u: 3 x 2 K V), the within-chunk products (q k^T and k k^T:
+  2 x C K, causal halves), and the triangular solve and its use (C (K + V) + C V, causal halves).
+- Mamba2's SSD (simple GLA) does the state read and write (2 x 2 N P) and the within-chunk products (C N + C P).
+- Short convolutions cost 2 W per channel.
+
+The output layer, tied or not, counts as a weight matrix. The embedding lookup costs nothing."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def sublayer_params(args: ModelArgs, kind: str) -> dict[str, int]:
 
 
 def mamba2_conv_channels(args: ModelArgs) -> int:
-    """Channels of Mamba2's x, B and C as projected (x and B for xb_heads heads only, where set)."""
+    """Channels of Mamba2's x, B and C as projected. Where xb_heads is set, x and B have only xb_heads heads."""
     m = args.mamba2
     inner = args.dim * m.expand
     if m.xb_heads:
@@ -109,7 +110,7 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> dict:
 
 
 def param_counts(args: ModelArgs) -> dict:
-    """Total parameters and parameters outside the embedding (and an untied output layer)."""
+    """Total parameters, and parameters outside the embedding and an untied output layer."""
     layers = sum(sum(sublayer_params(args, kind).values()) for kind in args.kinds)
     embedding = args.vocab_size * args.dim
     head = 0 if args.tie_embeddings else embedding

@@ -61,6 +61,6 @@ class KimiDeltaAttention(nn.Module):
 
     @torch.no_grad()
     def init_special(self) -> None:
-        # dt_bias from Mamba's log-uniform dt: a dt_bias of ones made the initial decay ~20x too strong in Primus
+        # dt_bias from Mamba's log-uniform dt: a dt_bias of ones (Primus's) makes the initial decay ~20x too strong
         init_log_uniform_A(self.A_log)
         init_dt_bias(self.dt_bias)

@@ -5,13 +5,12 @@
     [k_nope | v] = W_kv_up(RMSNorm(c_kv))                        per head
     o            = W_o softmax(q k^T * scale + causal) v,  k = [k_nope | RoPE(k_r)],  q = [q_nope | RoPE(q_rope)]
 
-Without the two latent RMSNorms where ``latent_norm`` is off: an MLA upcycled from attention, whose low-rank
-factors reproduce the attention's projections only as plain products (hybridtitan.upcycle).
+With ``latent_norm`` off, the two latent RMSNorms are left out. That is the MLA upcycled from attention
+(hybridtitan.upcycle), whose low-rank factors reproduce the attention's projections only as plain products.
 
-RoPE rotates the two halves of the rope channels (rotate-half); the same layout is used by the exported model,
-so no channel permutation is ever needed. YaRN scaling follows DeepSeek-V2 (a scaling factor of 1 is plain RoPE).
-Decoding caches the latent c_kv and the rotated k_r: (kv_lora_rank + qk_rope_head_dim) numbers per token.
-"""
+RoPE rotates the two halves of the rope channels (rotate-half). The exported model uses the same layout, so no channel
+permutation is ever needed. YaRN scaling follows DeepSeek-V2; a scaling factor of 1 is plain RoPE. Decoding caches the
+latent c_kv and the rotated k_r: (kv_lora_rank + qk_rope_head_dim) numbers per token."""
 
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ from .rope import apply_rope, rope_cos_sin, yarn_inv_freq, yarn_mscale
 
 
 def mla_inv_freq(args: MLAArgs, device=None) -> torch.Tensor:
-    """Frequencies of the rope channels, YaRN-interpolated when rope_scaling_factor > 1."""
+    """The frequencies of the rope channels, YaRN-interpolated when rope_scaling_factor > 1."""
     return yarn_inv_freq(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling_factor,
                          args.original_max_position_embeddings, args.beta_fast, args.beta_slow, device)
 

@@ -4,13 +4,12 @@
     h_i = h_{i-1} + f_i(RMSNorm_i(h_{i-1}))      f_i: attention ('*'), the mixer ('M') or SwiGLU ('-')
     logits = RMSNorm(h_n) W_out^T                (W_out = E with tied embeddings)
 
-Each sublayer hands on the stream as a pair whose sum it is, (f_i(...), h_{i-1}), and the next sublayer's norm
-adds them (FLA's ``norm(h, residual, prenorm=True)``): the add and the norm can then be one kernel.
+Each sublayer hands on the stream as a pair whose sum it is, (f_i(...), h_{i-1}). The next sublayer's norm adds them
+(FLA's ``norm(h, residual, prenorm=True)``), so the add and the norm can be one kernel.
 
-Plain nn.Modules: no device, parallelism or kernel choice here (hybridtitan.parallel wraps the sublayers from
-outside; the ``kernels`` given at build time pick every kernel, hybridtitan.ops). Build on the meta device, move
-to a device with ``to_empty``, then call ``init_weights``.
-"""
+The modules are plain nn.Modules, with no device, parallelism or kernel choice here. hybridtitan.parallel wraps the
+sublayers from outside, and the ``kernels`` given at build time pick every kernel (hybridtitan.ops). Build on the meta
+device, move to a device with ``to_empty``, then call ``init_weights``."""
 
 from __future__ import annotations
 
@@ -35,8 +34,8 @@ BODY_NAMES = {"attention": "attn", "mixer": "mixer", "mlp": "mlp"}
 
 
 class Sublayer(nn.Module):
-    """A pre-norm residual sublayer, x -> x + f(RMSNorm(x)), f one of: attention ('attention': MLA, or
-    grouped-query attention where model.attention is "gqa"), the mixer ('mixer'), SwiGLU ('mlp')."""
+    """A pre-norm residual sublayer, x -> x + f(RMSNorm(x)). f is the attention ('attention': MLA, or grouped-query
+    attention where model.attention is "gqa"), the mixer ('mixer'), or SwiGLU ('mlp')."""
 
     def __init__(self, kind: str, args: ModelArgs, kernels: Kernels = ops.DEFAULT):
         super().__init__()
@@ -60,15 +59,15 @@ class Sublayer(nn.Module):
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None = None, cu_seqlens=None, cache=None,
                 rows: int = 1, context=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x = h + residual (h alone where ``residual`` is None) -> (f(RMSNorm(x)), x), whose sum is the output."""
+        """x = h + residual (h alone where ``residual`` is None) -> (f(RMSNorm(x)), x). The output is their sum."""
         normed, residual = self.norm(h, residual, prenorm=True)
         return self.body(normed, cu_seqlens=cu_seqlens, cache=cache, rows=rows, context=context), residual
 
 
 class LayerState(MutableMapping):
-    """One sublayer's decoding state (convolution window, recurrent state, MLA latents), a mapping that is no dict:
-    FSDP2's pre-forward rebuilds every dict among a sharded module's arguments (casting their tensors for mixed
-    precision), so that what a sublayer wrote into a dict would be lost and each decoding step would see none."""
+    """One sublayer's decoding state (convolution window, recurrent state, MLA latents), as a mapping that is not a
+    dict. FSDP2's pre-forward rebuilds every dict among a sharded module's arguments, to cast their tensors for mixed
+    precision. What a sublayer wrote into a dict would then be lost, and each decoding step would see no state."""
 
     def __init__(self):
         self._state: dict = {}
@@ -90,7 +89,7 @@ class LayerState(MutableMapping):
 
 
 class StreamRecord(MutableSequence):
-    """A list for ``collect`` (the residual stream at each sublayer) that is no list: FSDP2's pre-forward rebuilds
+    """A list for ``collect`` (the residual stream at each sublayer) that is not a list. FSDP2's pre-forward rebuilds
     every list among a sharded module's arguments, so what the forward appended to a list would be lost."""
 
     def __init__(self):
@@ -123,10 +122,11 @@ class InferenceCache:
 
     @staticmethod
     def stack(caches: list[InferenceCache]) -> InferenceCache:
-        """One batched cache from the caches of rows decoded apart (prompts of other lengths, each fed alone so
-        that no padding enters a recurrent state, a convolution window or attention): the states stacked, the
-        attention's cached sequences of other lengths left-padded with a ``key_mask`` of the real positions, which
-        the attention sublayers honour from then on."""
+        """One batched cache from the caches of rows decoded apart.
+
+        The rows are prompts of other lengths, each fed alone so that no padding enters a recurrent state, a convolution
+        window or attention. Their states are stacked. The attention's cached sequences of other lengths are
+        left-padded, with a ``key_mask`` of the real positions, which the attention sublayers honour from then on."""
         out = InferenceCache(len(caches[0].layers))
         for i, state in enumerate(out.layers):
             rows = [c.layers[i] for c in caches]
@@ -146,7 +146,7 @@ class InferenceCache:
         return out
 
     def reorder(self, index: torch.Tensor) -> None:
-        """Select batch rows (beam search); every state has the batch first."""
+        """Selects batch rows (beam search). Every state has the batch first."""
         for state in self.layers:
             for key, value in state.items():
                 state[key] = value.index_select(0, index.to(value.device))
@@ -167,13 +167,15 @@ class HybridLM(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, cu_seqlens=None, cache: InferenceCache | None = None,
                       collect: list | None = None, context=None) -> torch.Tensor:
-        """Final-normed hidden states [B, T, D]. With ``cu_seqlens`` (boundaries over the B * T tokens, rows
-        included), documents are isolated: no state or attention crosses a boundary. A ``collect`` list receives
-        the residual stream entering each sublayer, then the final-normed states (transformers' hidden_states).
+        """The final-normed hidden states [B, T, D].
 
-        ``context``: context parallelism's shard of this rank (hybridtitan.ops.context_parallel.ContextShard):
-        ``input_ids`` are then the rank's part of the rows (of a packed batch: its part of the rows flattened into
-        one), the documents are the shard's (no ``cu_seqlens``), and every sublayer gets it."""
+        With ``cu_seqlens`` (boundaries over the B * T tokens, rows included) the documents are isolated: no state or
+        attention crosses a boundary. A ``collect`` list receives the residual stream entering each sublayer, then the
+        final-normed states (transformers' hidden_states).
+
+        ``context`` is this rank's context-parallel shard (hybridtitan.ops.context_parallel.ContextShard). Then
+        ``input_ids`` are the rank's part of the rows; for a packed batch, its part of the rows flattened into one. The
+        documents are the shard's (no ``cu_seqlens``), and every sublayer gets the shard."""
         B, T = input_ids.shape
         h, residual, rows = self.embeddings(input_ids), None, 1
         if context is not None and (cu_seqlens is not None or cache is not None):
@@ -196,12 +198,15 @@ class HybridLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, cu_seqlens=None,
                 cache: InferenceCache | None = None, ignore_index: int = -100, loss_chunk_size: int = 4096,
                 reduction: str = "mean", head=None, collect: list | None = None, context=None):
-        """The logits [B, T, V] in float32, or given ``labels`` the cross-entropy over the counted ones (the logits
-        then formed ``loss_chunk_size`` tokens at a time, never whole): their mean, or with ``reduction="sum"``
-        (the trainer's, which divides by the count of its whole step) the pair (summed loss, count).
-        ``head``: a function of the final hidden states and the output weight whose result is returned instead
-        (a distillation loss, hybridtitan.distill); ``collect`` and ``context`` (context parallelism: the labels,
-        like the inputs, the rank's part) as in ``hidden_states``."""
+        """The logits [B, T, V] in float32, or, given ``labels``, the cross-entropy over the counted labels.
+
+        With labels, the logits are formed ``loss_chunk_size`` tokens at a time, never whole. The result is the mean
+        loss, or with ``reduction="sum"`` the pair (summed loss, count). The trainer uses the sum and divides by the
+        count of its whole step.
+
+        ``head`` is a function of the final hidden states and the output weight whose result is returned instead, such
+        as a distillation loss (hybridtitan.distill). ``collect`` and ``context`` are as in ``hidden_states``; under
+        context parallelism the labels, like the inputs, are the rank's part."""
         h = self.hidden_states(input_ids, cu_seqlens=cu_seqlens, cache=cache, collect=collect, context=context)
         if head is not None:
             return head(h, self.output_weight)
@@ -212,18 +217,20 @@ class HybridLM(nn.Module):
         return (loss_sum, count) if reduction == "sum" else loss_sum / count.clamp(min=1)
 
     def blocks(self) -> list[range]:
-        """The sublayers grouped as layer distillation compares them: each token-mixing sublayer (attention or
-        mixer) with the MLPs after it (a Llama layer: attention, then MLP)."""
+        """The sublayers grouped as layer distillation compares them: each token-mixing sublayer (attention or mixer)
+        with the MLPs after it. A Llama layer is one block: attention, then MLP."""
         starts = [i for i, layer in enumerate(self.layers) if layer.kind != "mlp"]
         if not starts or starts[0] != 0:
             raise ValueError(f"pattern {self.args.pattern!r}: layer distillation needs a token-mixing sublayer first")
         return [range(s, e) for s, e in zip(starts, [*starts[1:], len(self.layers)])]
 
     def teacher_forced(self, streams: list[torch.Tensor], cu_seqlens=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Layer distillation's forward (Zebra-Llama's): each block (``blocks``) fed the residual stream that enters
-        it in another model (``streams``: that model's ``hidden_states(collect=...)``, [B, T, D] per sublayer),
-        returning per block its output as ``collect`` records it (the stream entering the next sublayer; after the
-        last, the final-normed states) and its token-mixing sublayer's output f(norm(x)), [B, T, D] each."""
+        """Layer distillation's forward (Zebra-Llama's).
+
+        Each block (``blocks``) is fed the residual stream that enters it in another model. ``streams`` is that model's
+        ``hidden_states(collect=...)``, [B, T, D] per sublayer. For each block it returns the block's output as
+        ``collect`` records it (the stream entering the next sublayer; after the last block, the final-normed states),
+        and its token-mixing sublayer's output f(norm(x)). Each is [B, T, D]."""
         B, T, _ = streams[0].shape
         rows = B if cu_seqlens is not None and B > 1 else 1
         if cu_seqlens is not None:
@@ -248,8 +255,8 @@ class HybridLM(nn.Module):
 
 @torch.no_grad()
 def init_module(module: nn.Module, std: float) -> None:
-    """The reference initialisation of one module's own parameters: N(0, std) for every matrix and convolution
-    (the output layer too), zero biases, unit norms; A_log, dt_bias and D as each mixer specifies."""
+    """The reference initialisation of one module's own parameters: N(0, std) for every matrix and convolution (the
+    output layer too), zero biases, and unit norms. A_log, dt_bias and D are set as each mixer specifies."""
     if isinstance(module, (nn.Linear, nn.Embedding, ShortConvolution)):
         nn.init.normal_(module.weight, mean=0.0, std=std)
         if getattr(module, "bias", None) is not None:

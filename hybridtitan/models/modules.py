@@ -15,8 +15,8 @@ from .rope import positions_of
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, of x + ``residual`` where one is given; ``prenorm``: (the norm, the sum), as FLA's
-    norms give them (the add and the norm one kernel where ``Kernels.add_rms_norm`` has one)."""
+    """x / rms(x) * weight, of x + ``residual`` where a residual is given. With ``prenorm`` it returns (the norm, the
+    sum), as FLA's norms do. The add and the norm are one kernel where ``Kernels.add_rms_norm`` has one."""
 
     def __init__(self, dim: int, eps: float = 1e-6, kernels: Kernels = ops.DEFAULT):
         super().__init__()
@@ -68,19 +68,20 @@ class ShortConvolution(nn.Module):
 
 
 def is_plain_linear(layer: nn.Module) -> bool:
-    """An nn.Linear itself, whose weight a fused product may read; a subclass swapped in from outside (float8
-    training's Float8Linear, hybridtitan.float8) computes its own product and is called as a module."""
+    """Whether ``layer`` is an nn.Linear itself, whose weight a fused product may read. A subclass swapped in from
+    outside (float8 training's Float8Linear, hybridtitan.float8) computes its own product, so it is called as a module.
+    """
     return type(layer) is nn.Linear
 
 
 def fused_linear(x: torch.Tensor, *groups: nn.Linear | tuple[nn.Linear, ...]) -> list[torch.Tensor]:
-    """The outputs of several bias-free projections of the same input, from one matrix product; a tuple of
-    projections comes back as one tensor (their outputs side by side).
+    """The outputs of several bias-free projections of the same input, from one matrix product. A tuple of projections
+    comes back as one tensor, their outputs side by side.
 
-    The projections stay separate parameters (their names and shapes are the published layouts'); one product
-    instead of several small ones saves kernel launches and reads x once (a mixer's 1-wide gate projections
-    alone would be two launches that barely use the GPU). Where one of them is not a plain nn.Linear, each is
-    called as itself."""
+    The projections stay separate parameters, because their names and shapes are the published layouts'. One product
+    instead of several small ones saves kernel launches and reads x once. A mixer's 1-wide gate projections alone would
+    be two launches that barely use the GPU. Where one of the projections is not a plain nn.Linear, each is called as
+    itself."""
     groups = [g if isinstance(g, tuple) else (g,) for g in groups]
     layers = [layer for g in groups for layer in g]
     if not all(map(is_plain_linear, layers)):
@@ -91,8 +92,9 @@ def fused_linear(x: torch.Tensor, *groups: nn.Linear | tuple[nn.Linear, ...]) ->
 
 def fused_short_conv(x: torch.Tensor, convs: list[ShortConvolution], cu_seqlens=None, cache=None,
                      key: str = "conv", context=None) -> list[torch.Tensor]:
-    """Several short convolutions over the channel blocks of ``x``, as one convolution (depthwise: each channel
-    has its own filter, so concatenating the filters is exact); one output per convolution."""
+    """Several short convolutions over the channel blocks of ``x``, run as one convolution, with one output per
+    convolution. The convolution is depthwise, so each channel has its own filter and concatenating the filters is
+    exact."""
     weight = torch.cat([c.weight for c in convs]).squeeze(1)
     biases = [c.bias for c in convs]
     bias = torch.cat(biases) if all(b is not None for b in biases) else None
@@ -116,9 +118,9 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor, **_) -> torch.Tensor:
-        # Two products, not one over the concatenated weights (fused_linear): the backward pass of that split
-        # would concatenate the gate and up gradients, [tokens, 2 x hidden_dim], the largest copy of a step,
-        # while the two products are each large enough to run at full speed.
+        # Two products, not one over the concatenated weights (fused_linear). The backward pass of that split
+        # would concatenate the gate and up gradients, [tokens, 2 x hidden_dim], the largest copy of a step, and
+        # the two products are each large enough to run at full speed.
         gate, up = self.gate_proj(x), self.up_proj(x)
         if not is_plain_linear(self.down_proj):  # a Float8Linear computes its own product (is_plain_linear)
             return self.down_proj(F.silu(gate) * up)
@@ -142,9 +144,11 @@ def init_dt_bias(dt_bias: torch.Tensor, dt_min: float = 1e-3, dt_max: float = 0.
 
 
 def new_positions(cache, key: str, T: int, rows: int, device, context=None) -> torch.Tensor:
-    """Positions of an attention sublayer's T new tokens: [1, T] after the ``key`` sequence its cache holds, or
-    [B, T] where the cache holds rows of other lengths left-padded (``key_mask``): each row after its own. Under
-    context parallelism (``context``: the rank's shard) the positions its tokens have in the unsplit sequence."""
+    """The positions of an attention sublayer's T new tokens.
+
+    They are [1, T] after the ``key`` sequence its cache holds. Where the cache holds left-padded rows of other lengths
+    (``key_mask``), they are [B, T], each row after its own. Under context parallelism (``context``: the rank's shard)
+    they are the positions the tokens have in the unsplit sequence."""
     if context is not None:
         return context.positions.to(device).unsqueeze(0)
     if cache is not None and "key_mask" in cache:
@@ -154,8 +158,8 @@ def new_positions(cache, key: str, T: int, rows: int, device, context=None) -> t
 
 
 def extend_cache(cache, **sequences: torch.Tensor) -> list[torch.Tensor]:
-    """Each cached sequence [B, S, ...] with the new tokens' [B, T, ...] appended (the cache keeps them), and the
-    key mask, where the cache holds one, grown by the T new positions (all real)."""
+    """Each cached sequence [B, S, ...] with the new tokens' [B, T, ...] appended; the cache keeps the result. Where the
+    cache holds a key mask, it grows by the T new positions, all real."""
     out = []
     for name, new in sequences.items():
         if name in cache:

@@ -14,7 +14,7 @@ ALLOWED = "'*' (MLA attention), 'M' (mixer), '-' (SwiGLU MLP)"
 
 
 def parse_pattern(pattern: str, field: str = "model.pattern") -> list[str]:
-    """The sublayer kinds of a pattern ('attention', 'mixer', 'mlp'); ValueError naming the bad position."""
+    """The sublayer kinds of a pattern ('attention', 'mixer', 'mlp'). Raises ValueError naming the bad position."""
     if not pattern:
         raise ValueError(f"{field} is empty; give one symbol per sublayer: {ALLOWED}")
     kinds = []
@@ -28,10 +28,9 @@ def parse_pattern(pattern: str, field: str = "model.pattern") -> list[str]:
 def pattern_from_ratio(n_layers: int, attention_ratio: float) -> str:
     """Primus's placement rule for a hybrid with no explicit pattern.
 
-    The ``n_layers // 2`` (sequence mixer, MLP) pairs get ``int(pairs * ratio)`` attention slots. With a ratio up to
-    0.5 they form blocks of one attention pair followed by ``pairs_left // n_attn`` mixer pairs, the mixer pairs
-    that do not divide evenly going at the end; above 0.5, attention pairs come first, then alternating blocks.
-    """
+    The ``n_layers // 2`` (sequence mixer, MLP) pairs get ``int(pairs * ratio)`` attention slots. With a ratio up to 0.5
+    they form blocks of one attention pair followed by ``pairs_left // n_attn`` mixer pairs. The mixer pairs that do not
+    divide evenly go at the end. Above 0.5, the attention pairs come first, then alternating blocks."""
     if n_layers <= 0:
         raise ValueError(f"model.n_layers must be positive, got {n_layers}")
     if not 0.0 <= attention_ratio <= 1.0:

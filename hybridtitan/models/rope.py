@@ -2,15 +2,16 @@
 
     x_rot = x * cos(p * f) + rotate_half(x) * sin(p * f)       rotate_half([x1 | x2]) = [-x2 | x1]
 
-Channel i of the first half rotates with channel i of the second half at frequency f_i = theta^(-2i / d): the
-"rotate-half" layout of Llama and of transformers, so no channel permutation is ever needed on import or export.
-Two extensions of the frequencies:
+Channel i of the first half rotates with channel i of the second half, at frequency f_i = theta^(-2i / d). This is the
+"rotate-half" layout of Llama and of transformers, so no channel permutation is ever needed on import or export. There
+are two extensions of the frequencies:
 
-* YaRN (DeepSeek-V2's, the MLA's): frequencies below ``beta_slow`` rotations over the original context are
-  divided by the factor, those above ``beta_fast`` kept, a linear ramp between; cos and sin scaled by mscale.
+* YaRN (DeepSeek-V2's, used by the MLA): frequencies below ``beta_slow`` rotations over the original context are
+  divided by the factor, those above ``beta_fast`` are kept, with a linear ramp between. cos and sin are scaled
+  by mscale.
 * Llama 3's (``rope_type: llama3`` in a Llama config.json): wavelengths longer than original / low_freq_factor
-  divided by the factor, shorter than original / high_freq_factor kept, a smooth interpolation between.
-"""
+  are divided by the factor, those shorter than original / high_freq_factor are kept, with a smooth
+  interpolation between."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def yarn_mscale(factor: float, mscale: float) -> float:
 
 def yarn_inv_freq(dim: int, theta: float, factor: float, original_max_position_embeddings: int,
                   beta_fast: float, beta_slow: float, device=None) -> torch.Tensor:
-    """The YaRN-interpolated frequencies (plain ones at a factor of 1 or less)."""
+    """The YaRN-interpolated frequencies. At a factor of 1 or less they are the plain ones."""
     extra = plain_inv_freq(dim, theta, device)
     if factor <= 1:
         return extra
@@ -50,7 +51,7 @@ def yarn_inv_freq(dim: int, theta: float, factor: float, original_max_position_e
 
 def llama3_inv_freq(dim: int, theta: float, factor: float, low_freq_factor: float, high_freq_factor: float,
                     original_max_position_embeddings: int, device=None) -> torch.Tensor:
-    """Llama 3.1's frequencies: long wavelengths slowed by ``factor``, short ones kept, a smooth blend between."""
+    """Llama 3.1's frequencies: long wavelengths slowed by ``factor``, short ones kept, and a smooth blend between."""
     inv_freq = plain_inv_freq(dim, theta, device)
     if factor <= 1:
         return inv_freq
@@ -65,22 +66,23 @@ def llama3_inv_freq(dim: int, theta: float, factor: float, low_freq_factor: floa
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0):
-    """cos and sin of positions [.., T] at the frequencies, [.., T, 1, 2 * len(inv_freq)] (float32), times scale."""
+    """cos and sin of positions [.., T] at the frequencies, times scale: [.., T, 1, 2 * len(inv_freq)], float32."""
     freqs = positions.float().unsqueeze(-1) * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return (emb.cos() * scale).unsqueeze(-2), (emb.sin() * scale).unsqueeze(-2)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, D]; cos, sin: [B or 1, T, 1, D] (float32). Computed in float32, returned in x's dtype."""
+    """x is [B, T, H, D]; cos and sin are [B or 1, T, 1, D], float32. Computed in float32 and returned in x's dtype."""
     x1, x2 = x.float().chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x.float() * cos + rotated * sin).to(x.dtype)
 
 
 def positions_of(T: int, rows: int, offset: int, device) -> torch.Tensor:
-    """The positions of T tokens: packed documents arrive as one row of ``rows`` rows of T / rows tokens, and
-    positions restart on each (RoPE is relative, so within a document only differences count); else offset..T."""
+    """The positions of T tokens. Packed documents arrive as one row made of ``rows`` rows of T / rows tokens, and the
+    positions restart on each. RoPE is relative, so within a document only differences count. Otherwise the positions
+    are offset, ..., offset + T - 1."""
     if rows > 1:
         return torch.arange(T, device=device) % (T // rows)
     return torch.arange(offset, offset + T, device=device)

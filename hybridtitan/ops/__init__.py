@@ -1,19 +1,20 @@
-"""Every compute kernel of the models, chosen in one place, from one ``KernelConfig`` given at build time.
+"""Every compute kernel of the models, chosen in one place from one ``KernelConfig`` given at build time.
 
     kernels = ops.Kernels(ops.KernelConfig(compiled_norms=True))     # the trainer builds it from the recipe
     model = build_model(args, kernels=kernels)                       # every module keeps it as ``self.ops``
     o, state = self.ops.gated_delta_rule(q, k, v, a, b, A_log, dt_bias)   # inside a mixer
 
-A tensor on a GPU (CUDA or ROCm: PyTorch calls both "cuda") goes to FLA's Triton kernels (``fla_backend``), or
-to Triton kernels of our own where they are faster (each cross-entropy chunk's softmax, ``cross_entropy_triton``;
-the short convolution of whole sequences, ``conv_triton``), or through torch.compile where the config asks for
-it; anything else to the chunked PyTorch reference (``reference``), which computes the same algorithm. Model code
-calls these methods and never chooses a kernel itself. Under context parallelism the models pass the rank's
-``ContextShard`` down as ``context=`` (as they pass ``cu_seqlens``), and the recurrences, short convolutions and
-attention go through ``context_parallel``'s algorithms, which call these same methods on the local tokens; the
-models hold no rank or collective logic. The module-level functions (``ops.gated_delta_rule``,
-...) are the default configuration's, for tests and tools.
-"""
+A tensor on a GPU goes to FLA's Triton kernels (``fla_backend``). (CUDA and ROCm are both "cuda" to PyTorch.) Where our
+own Triton kernels are faster, it goes to them instead: each cross-entropy chunk's softmax (``cross_entropy_triton``)
+and the short convolution of whole sequences (``conv_triton``). Where the config asks for it, it goes through
+torch.compile. Anything else goes to the chunked PyTorch reference (``reference``), which computes the same algorithm.
+Model code calls these methods and never chooses a kernel itself.
+
+Under context parallelism the models pass the rank's ``ContextShard`` down as ``context=``, as they pass ``cu_seqlens``.
+The recurrences, short convolutions and attention then go through ``context_parallel``'s algorithms, which call these
+same methods on the local tokens. The models hold no rank or collective logic.
+
+The module-level functions (``ops.gated_delta_rule``, ...) are the default configuration's, for tests and tools."""
 
 from __future__ import annotations
 
@@ -27,16 +28,16 @@ from . import context_parallel, cross_entropy, kl_div, reference
 
 __all__ = ["KernelConfig", "Kernels", "DEFAULT"]
 
-# KDA's reference computes the per-channel decay between every pair of positions of a chunk: with chunks of 16
-# that costs 16 x the key tensor, and stays exact however strong the decay (no exp(+gamma) is ever formed).
+# KDA's reference computes the per-channel decay between every pair of positions of a chunk. With chunks of 16
+# that costs 16 x the key tensor, and it stays exact however strong the decay (no exp(+gamma) is ever formed).
 GDN_CHUNK = 64
 KDA_CHUNK = 16
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Which implementation runs each op. CPU tensors always run the PyTorch reference (or torch.compile of it
-    where asked); the choices below concern GPUs unless said otherwise."""
+    """Which implementation runs each op. CPU tensors always run the PyTorch reference, or torch.compile of it where
+    asked. The choices below concern GPUs unless they say otherwise."""
 
     reference: bool = False
     """The PyTorch reference on every device (parity checks against the GPU kernels)"""
@@ -81,8 +82,8 @@ def _fla():
 
 @functools.cache
 def fla_available() -> bool:
-    """Whether FLA's kernels import here (flash-linear-attention and Triton; an export loaded where they are
-    missing runs the PyTorch forms instead, hybridtitan.hf.modeling)."""
+    """Whether FLA's kernels (flash-linear-attention and Triton) import here. An export loaded where they are missing
+    runs the PyTorch forms instead (hybridtitan.hf.modeling)."""
     try:
         _fla()
     except ImportError:
@@ -97,7 +98,7 @@ def _compiled(fn):
 
 def _compiled_unless_tracing(fn):
     # inside a sublayer that torch.compile traces whole (compile.components "model"), Dynamo puts the plain
-    # function into the enclosing graph; the cached compiled wrapper there only draws a warning
+    # function into the enclosing graph. The cached compiled wrapper would only draw a warning there.
     return fn if torch.compiler.is_compiling() else _compiled(fn)
 
 
@@ -111,7 +112,7 @@ def _swiglu_forward(gate, up):
 
 
 def _swiglu_backward(gate, up, grad_h):
-    """d gate, d up and h = silu(gate) * up again, from one pass over gate, up and the gradient of h."""
+    """d gate, d up, and h = silu(gate) * up again, from one pass over gate, up and the gradient of h."""
     g, u, dh = gate.float(), up.float(), grad_h.float()
     sig = torch.sigmoid(g)
     silu = g * sig
@@ -120,7 +121,7 @@ def _swiglu_backward(gate, up, grad_h):
 
 
 class _CompiledSwiGLULinear(torch.autograd.Function):
-    """swiglu_linear with its elementwise passes compiled: saves gate and up, not the product."""
+    """swiglu_linear with its elementwise passes compiled. It saves gate and up, not their product."""
 
     @staticmethod
     def forward(ctx, gate, up, weight):
@@ -152,9 +153,9 @@ class Kernels:
     # ---- context parallelism
 
     def whole_sequence(self, x, context=None):
-        """``x`` [B, L, ...] itself, or under context parallelism (``context``: the rank's ContextShard) the whole
-        sequence [B, T, ...] of every rank's part, in order, with autograd (attention's keys and values, or the
-        MLA's latent they are formed from)."""
+        """``x`` [B, L, ...] itself, or, under context parallelism, the whole sequence [B, T, ...] of every rank's part,
+        in order, with autograd. ``context`` is the rank's ContextShard. Attention uses this for its keys and values, or
+        for the MLA latent they are formed from."""
         return x if context is None else context_parallel.gather_sequence(x, context)
 
     @staticmethod
@@ -167,7 +168,7 @@ class Kernels:
 
     def _fla_mixer(self, name: str, site, tensors: tuple, cu_seqlens, initial_state, output_final_state, *extra,
                    **options):
-        """FLA's ``name`` op, through the site's CUDA graphs where they apply (whole sequences, no state)."""
+        """FLA's ``name`` op. It runs through the site's CUDA graphs where they apply: whole sequences with no state."""
         fn = functools.partial(getattr(_fla(), name), **options) if options else getattr(_fla(), name)
         if (self.config.cuda_graphs and site is not None and cu_seqlens is None and initial_state is None
                 and not output_final_state):
@@ -179,10 +180,13 @@ class Kernels:
 
     def gated_delta_rule(self, q, k, v, a, b, A_log, dt_bias, *, cu_seqlens=None, initial_state=None,
                          output_final_state=False, site=None, context=None):
-        """Gated DeltaNet core. q, k: [B, T, H, K] before their L2 norm; v: [B, T, HV, V]; a, b: [B, T, HV] raw gate
-        and beta logits. decay = -exp(A_log) * softplus(a + dt_bias) (float32), beta = sigmoid(b). ``site``: the
-        calling layer, for the state the GPU path keeps per layer (CUDA graphs); ignored elsewhere. ``context``:
-        the rank's ContextShard (context parallelism; the tensors are its local part)."""
+        """The Gated DeltaNet core.
+
+        q and k are [B, T, H, K], before their L2 norm. v is [B, T, HV, V]. a and b are [B, T, HV], the raw gate and
+        beta logits. decay = -exp(A_log) * softplus(a + dt_bias) in float32, and beta = sigmoid(b).
+
+        ``site`` is the calling layer. The GPU path keeps state per layer (CUDA graphs) under it; other paths ignore it.
+        ``context`` is the rank's ContextShard under context parallelism; the tensors are then its local part."""
         if context is not None:
             self._under_context("gated_delta_rule", cu_seqlens, initial_state, output_final_state)
             return context_parallel.cp_gated_delta_rule(self, context, q, k, v, a, b, A_log=A_log, dt_bias=dt_bias)
@@ -198,8 +202,8 @@ class Kernels:
 
     def kda(self, q, k, v, a, b, A_log, dt_bias, *, cu_seqlens=None, initial_state=None, output_final_state=False,
             site=None, context=None):
-        """Kimi Delta Attention core. As ``gated_delta_rule`` but a: [B, T, HV, K] (one decay per key channel),
-        dt_bias: [HV * K]."""
+        """The Kimi Delta Attention core. As ``gated_delta_rule``, but a is [B, T, HV, K] (one decay per key channel)
+        and dt_bias is [HV * K]."""
         if context is not None:
             self._under_context("kda", cu_seqlens, initial_state, output_final_state)
             return context_parallel.cp_kda(self, context, q, k, v, a, b, A_log=A_log, dt_bias=dt_bias)
@@ -216,7 +220,7 @@ class Kernels:
 
     def simple_gla(self, q, k, v, g, scale=None, *, cu_seqlens=None, initial_state=None, output_final_state=False,
                    site=None, context=None):
-        """Linear attention with a scalar log decay g: [B, T, H] per head (Mamba2's SSD with q=C, k=B, v=x*dt)."""
+        """Linear attention with a scalar log decay g [B, T, H] per head. This is Mamba2's SSD with q=C, k=B, v=x*dt."""
         if context is not None:
             self._under_context("simple_gla", cu_seqlens, initial_state, output_final_state)
             return context_parallel.cp_simple_gla(self, context, q, k, v, g, scale=scale)
@@ -230,7 +234,8 @@ class Kernels:
 
     def causal_conv1d(self, x, weight, bias=None, activation="silu", *, cu_seqlens=None, initial_state=None,
                       output_final_state=False, context=None):
-        """Depthwise causal convolution. x: [B, T, D]; weight: [D, W]; states [N, D, W] (last W inputs)."""
+        """Depthwise causal convolution. x is [B, T, D], weight is [D, W], and states are [N, D, W] (the last W inputs).
+        """
         if context is not None:
             self._under_context("causal_conv1d", cu_seqlens, initial_state, output_final_state)
             return context_parallel.cp_causal_conv1d(self, context, x, weight, bias, activation)
@@ -240,16 +245,18 @@ class Kernels:
 
     def short_conv(self, x, weight, bias=None, activation="silu", sizes=None, *, cu_seqlens=None, initial_state=None,
                    output_final_state=False, context=None):
-        """``causal_conv1d`` with its output as one tensor per block of ``sizes`` channels (default: one), e.g. a
-        mixer's q, k and v. Returns (outputs, final state or None). On GPUs, whole sequences without a state go to
-        our kernels (``conv_triton``), which write each block as its own contiguous tensor (no copy when the
-        recurrent kernels take them); packed documents, decoding and other devices get views of one output."""
+        """``causal_conv1d`` with its output as one tensor per block of ``sizes`` channels (default: one block), such as
+        a mixer's q, k and v. Returns (outputs, final state or None).
+
+        On GPUs, whole sequences without a state go to our kernels (``conv_triton``). They write each block as its own
+        contiguous tensor, so the recurrent kernels take them without a copy. Packed documents, decoding and other
+        devices get views of one output."""
         if context is not None:
             self._under_context("short_conv", cu_seqlens, initial_state, output_final_state)
             return context_parallel.cp_short_conv(self, context, x, weight, bias, activation, sizes)
         sizes = tuple(sizes) if sizes else (x.shape[-1],)
-        # inside a sublayer that torch.compile traces whole (compile.components "model") FLA's kernel stays: ours
-        # was not measured there
+        # inside a sublayer that torch.compile traces whole (compile.components "model"), FLA's kernel runs: ours
+        # is not measured there
         if (self.config.triton_conv and self.backend_for(x) == "fla" and cu_seqlens is None
                 and initial_state is None and not output_final_state and activation in (None, "silu", "swish")
                 and not torch.compiler.is_compiling()):
@@ -273,8 +280,10 @@ class Kernels:
         return reference.rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x, residual, weight, eps):
-        """(rms_norm(x + residual), x + residual): with ``fused_residual`` a pre-norm block's residual add and the
-        next norm in one kernel (forward and backward), else the add a pass over the residual stream of its own."""
+        """(rms_norm(x + residual), x + residual).
+
+        With ``fused_residual``, a pre-norm block's residual add and the next norm run in one kernel, forward and
+        backward. Otherwise the add is a pass of its own over the residual stream."""
         if not self.config.fused_residual:
             total = x + residual
             return self.rms_norm(total, weight, eps), total
@@ -292,9 +301,11 @@ class Kernels:
     # ---- the MLP, attention, the loss
 
     def swiglu_linear(self, gate, up, weight):
-        """(silu(gate) * up) @ weight.T, without keeping silu(gate) * up for the backward pass: it is formed again
-        there, in the same pass that computes the gradients of gate and up. Saves one [tokens, hidden] activation
-        per MLP (a quarter of a 300M model's activation memory) for no extra matrix product."""
+        """(silu(gate) * up) @ weight.T, without keeping silu(gate) * up for the backward pass.
+
+        The backward forms the product again, in the same pass that computes the gradients of gate and up. This saves
+        one [tokens, hidden] activation per MLP, about a quarter of a 300M model's activation memory, for no extra
+        matrix product."""
         if self.config.compiled_swiglu and not self.config.reference:
             return _CompiledSwiGLULinear.apply(gate, up, weight)
         if self.backend_for(gate) == "fla":
@@ -302,10 +313,13 @@ class Kernels:
         return F.linear(F.silu(gate) * up, weight)
 
     def attention(self, q, k, v, scale, *, cu_seqlens=None, rows=1, key_mask=None, context=None):
-        """Causal attention. q: [B, T, H, Dk]; k: [B, S, Hk, Dk]; v: [B, S, Hk, Dv] (Hk dividing H: grouped-query
-        heads; S > T when decoding: the queries are the last T positions); packed documents as ``cu_seqlens`` over a
-        batch of one flattened from ``rows`` rows; ``key_mask`` [B, S]: the keys that exist (left-padded rows).
-        ``context``: the rank's ContextShard, q its local queries, k and v the whole sequence's
+        """Causal attention.
+
+        q is [B, T, H, Dk]. k is [B, S, Hk, Dk] and v is [B, S, Hk, Dv], with Hk dividing H (grouped-query heads). When
+        decoding, S > T and the queries are the last T positions. Packed documents come as ``cu_seqlens`` over a batch
+        of one, flattened from ``rows`` rows. ``key_mask`` [B, S] marks the keys that exist, for left-padded rows.
+
+        ``context`` is the rank's ContextShard. Then q holds its local queries, and k and v the whole sequence's
         (``whole_sequence``)."""
         if context is not None:
             if cu_seqlens is not None or key_mask is not None:
@@ -317,8 +331,9 @@ class Kernels:
         return reference.causal_attention(q, k, v, scale, cu_seqlens, rows, key_mask=key_mask)
 
     def linear_cross_entropy(self, hidden, weight, targets, ignore_index: int = -100, chunk_size: int = 4096):
-        """Summed cross-entropy of ``hidden @ weight.T`` and the number of counted targets, never holding all the
-        logits (``cross_entropy``); each chunk's elementwise part compiled, in our Triton kernel (GPUs) or eager."""
+        """The summed cross-entropy of ``hidden @ weight.T`` and the number of counted targets, never holding all the
+        logits (``cross_entropy``). Each chunk's elementwise part is compiled, runs in our Triton kernel (GPUs), or runs
+        eagerly."""
         if self.config.reference:
             chunk_fn = cross_entropy.chunk_loss_and_grad
         elif self.config.compiled_loss:
@@ -336,10 +351,11 @@ class Kernels:
     def linear_kl_div(self, hidden, weight, t_hidden, t_weight, targets, *, temperature: float = 1.0,
                       kl_weight: float = 1.0, ce_weight: float = 0.0, ignore_index: int = -100, chunk_size: int = 1024):
         """(loss, summed KL_T, summed cross-entropy, counted tokens) of a student's hidden states and output weight
-        against a teacher's, a chunk of tokens at a time (``kl_div``): loss = kl_weight * T^2 * KL_T +
-        ce_weight * CE. Each chunk's elementwise part in our Triton kernel on GPUs (``kl_div_triton``), compiled
-        or eager elsewhere; with ``fla_kl``, on GPUs at temperature 1, FLA's fused KL instead (and the
-        cross-entropy, where weighted, ours)."""
+        against a teacher's, one chunk of tokens at a time (``kl_div``). loss = kl_weight * T^2 * KL_T + ce_weight * CE.
+
+        Each chunk's elementwise part runs in our Triton kernel on GPUs (``kl_div_triton``), and compiled or eagerly
+        elsewhere. With ``fla_kl``, on GPUs at temperature 1, FLA's fused KL runs instead; the cross-entropy, where
+        weighted, is still ours."""
         on_gpu = self.backend_for(hidden) == "fla"
         if (on_gpu and self.config.fla_kl and temperature == 1 and torch.is_grad_enabled()
                 and (hidden.requires_grad or weight.requires_grad)):

@@ -1,4 +1,4 @@
-"""Tuned kernel configurations: the choices Triton's autotuner makes for FLA's kernels (and ours), kept as data.
+"""Tuned kernel configurations: the choices Triton's autotuner makes for FLA's kernels and ours, kept as data.
 
     choice = kernel_configs.choose("shipped", device)   # KernelConfigError (one line): a bad or foreign folder
     kernel_configs.activate(choice)                     # before FLA is imported: its kernels then read the folder
@@ -6,26 +6,31 @@
     kernel_configs.autotuned_here(choice)               # the kernels that autotuned anyway, for the log
     kernel_configs.save_choices(folder, gpu, recorded)  # what the autotuner chose in this process, into a folder
 
-FLA autotunes each kernel the first time it meets a shape (minutes for a new model on a new machine, in every
-process of a run, which may pick different configurations). A folder of recorded choices removes that: every rank
-reads the same folder, so every rank runs the same kernels. ``python -m hybridtitan.tune`` records one; the package
-ships them under ``hybridtitan/kernel_configs/<GPU>/``.
+FLA autotunes each kernel the first time it meets a shape. For a new model on a new machine that takes minutes, in every
+process of a run, and the processes may pick different configurations. A folder of recorded choices removes that. Every
+rank reads the same folder, so every rank runs the same kernels. ``python -m hybridtitan.tune`` records a folder, and
+the package ships them under ``hybridtitan/kernel_configs/<GPU>/``.
 
-A folder is in FLA's own format (``fla.ops.utils.cache``): one ``{kernel name}.json`` per kernel, whose
-``autotune_entries`` are keyed by the md5 of the autotune key as Triton builds it (the key arguments' values, then
-the dtypes of the tensor arguments), each with its ``autotune_key`` and chosen ``config``, and a
-``default_config``; beside them ``record.json``, hybridtitan's: the GPU (name, compute capability or gfx
-architecture), the Triton, FLA and torch versions, and what was recorded. A folder is used only on its GPU with
-its Triton and FLA versions: the kernels' code and the compiler decide which configurations are valid and fast
-(torch is recorded, not compared: no FLA kernel or configuration depends on it).
+A folder is in FLA's own format (``fla.ops.utils.cache``), with one ``{kernel name}.json`` per kernel. Its
+``autotune_entries`` are keyed by the md5 of the autotune key as Triton builds it: the key arguments' values, then the
+dtypes of the tensor arguments. Each entry has its ``autotune_key`` and chosen ``config``, and the file has a
+``default_config``. Beside them, hybridtitan writes ``record.json``. It names the GPU (name, and compute capability or
+gfx architecture), the Triton, FLA and torch versions, and what was recorded.
 
-Activation is FLA's mechanism: ``FLA_CONFIG_DIR`` names the folder, ``FLA_CACHE_MODE=fuzzy`` (the entry of the
-exact key, else the first recorded entry of the same key structure, whose numeric values may differ), and
-``configure_fla_cache_autotune()`` makes every ``triton.autotune`` defined afterwards FLA's CachedAutotuner, which
-autotunes only where nothing matches or where the kernel's own pruning rejects the recorded configuration.
-Importing any module of FLA imports all its kernels (its package imports its layers), so FLA's cache module is
-loaded first on its own, from its own file under its own name; FLA's kernels then find it already imported.
-"""
+A folder is used only on its own GPU with its own Triton and FLA versions, because the kernels' code and the compiler
+decide which configurations are valid and fast. The torch version is recorded but not compared, because no FLA kernel or
+configuration depends on it.
+
+Activation uses FLA's own mechanism:
+
+* ``FLA_CONFIG_DIR`` names the folder.
+* ``FLA_CACHE_MODE=fuzzy`` takes the entry of the exact key, else the first recorded entry of the same key
+  structure, whose numeric values may differ.
+* ``configure_fla_cache_autotune()`` makes every ``triton.autotune`` defined afterwards FLA's CachedAutotuner.
+  It autotunes only where nothing matches, or where the kernel's own pruning rejects the recorded configuration.
+
+Importing any module of FLA imports all its kernels, because its package imports its layers. So FLA's cache module is
+loaded first on its own, from its own file and under its own name. FLA's kernels then find it already imported."""
 
 from __future__ import annotations
 
@@ -59,14 +64,14 @@ class KernelConfigError(UserError):
 
 
 def gpu_dir_name(name: str) -> str:
-    """A GPU's name as a folder name, as FLA spells it (fla.ops.utils.cache.sanitize_gpu_name): "NVIDIA H200" ->
-    "NVIDIA_H200"."""
+    """A GPU's name as a folder name, spelled as FLA spells it (fla.ops.utils.cache.sanitize_gpu_name). For example,
+    "NVIDIA H200" becomes "NVIDIA_H200"."""
     return re.sub(r"[^0-9A-Za-z]+", "_", name).strip("_") or "unknown_gpu"
 
 
 def this_gpu(device: torch.device) -> dict[str, str] | None:
-    """The GPU of ``device`` as a record names it (None on a CPU): its name, its folder name and its compute
-    capability ("9.0") or, on ROCm, its gfx architecture ("gfx942")."""
+    """The GPU of ``device`` as a record names it, or None on a CPU. It gives the name, the folder name, and the compute
+    capability ("9.0") or, on ROCm, the gfx architecture ("gfx942")."""
     if device.type != "cuda":
         return None
     props = torch.cuda.get_device_properties(device)
@@ -87,8 +92,8 @@ def _version(*distributions: str) -> str | None:
 
 
 def these_versions() -> dict[str, str | None]:
-    """The versions a folder is compared with (Triton, FLA) and torch's, read from the installed distributions
-    (nothing is imported: FLA's import would define its kernels)."""
+    """The Triton and FLA versions a folder is compared with, and torch's version. They are read from the installed
+    distributions. Nothing is imported, because importing FLA would define its kernels."""
     return {"triton": _version("triton", "pytorch-triton-rocm", "pytorch-triton"),
             "fla": _version("fla-core", "flash-linear-attention"), "torch": torch.__version__}
 
@@ -128,8 +133,8 @@ def _check_config(where: str, config) -> None:
 
 
 def read_folder(path: str) -> Folder:
-    """The folder at ``path``, checked: a record.json of this format, and every kernel file in FLA's format with
-    each entry filed under its key's hash. KernelConfigError (one line) names the first problem."""
+    """The folder at ``path``, checked. It needs a record.json of this format, and every kernel file in FLA's format
+    with each entry filed under its key's hash. KernelConfigError (one line) names the first problem."""
     folder = Path(path)
     if not folder.is_dir():
         raise KernelConfigError(f"{path}: no such folder of kernel configurations (record one: {RECORD_COMMAND})")
@@ -171,8 +176,8 @@ def read_folder(path: str) -> Folder:
 
 
 def foreign(record: dict[str, Any], gpu: dict[str, str] | None, versions: dict[str, str | None]) -> str | None:
-    """Why a folder recorded as ``record`` says is not for this GPU and these versions (None: it is). Without a
-    GPU (``gpu`` None) only the versions are compared."""
+    """Why the folder whose record is ``record`` is not for this GPU and these versions, or None if it is. Without a GPU
+    (``gpu`` None) only the versions are compared."""
     r_gpu, r_versions = record["gpu"], record["versions"]
     if gpu is not None and (r_gpu.get("dir"), r_gpu.get("capability")) != (gpu["dir"], gpu["capability"]):
         return (f"recorded on {r_gpu.get('name')} (capability {r_gpu.get('capability')}), this is {gpu['name']} "
@@ -185,7 +190,8 @@ def foreign(record: dict[str, Any], gpu: dict[str, str] | None, versions: dict[s
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """The configurations a run uses: a checked folder, or none (FLA autotunes), and the log's line saying so."""
+    """The configurations a run uses: a checked folder, or none (FLA autotunes). ``message`` is the log's line that says
+    which."""
 
     setting: str
     folder: Folder | None
@@ -198,9 +204,11 @@ class Choice:
 
 
 def choose(setting: str, device: torch.device) -> Choice:
-    """The configurations ``setting`` ("shipped", "autotune" or a folder) gives on ``device``. A folder named by
-    path must be well-formed and of this GPU and versions (KernelConfigError otherwise); "shipped" takes the
-    package's folder for this GPU where its versions match, and otherwise says that FLA autotunes."""
+    """The configurations that ``setting`` ("shipped", "autotune" or a folder) gives on ``device``.
+
+    A folder named by its path must be well-formed and of this GPU and these versions; otherwise KernelConfigError is
+    raised. "shipped" takes the package's folder for this GPU where its versions match. Otherwise it says that FLA
+    autotunes."""
     versions = these_versions()
     if setting == "autotune":
         return Choice(setting, None, "kernel configurations: FLA autotunes each kernel at each new shape "
@@ -257,8 +265,8 @@ def _fla_cache_module():
 
 
 def activate(choice: Choice) -> None:
-    """Makes FLA's kernels (and ours in hybridtitan.ops) read ``choice``'s folder, or autotune where it has none.
-    Must run before FLA is imported; a process that imported it already cannot be changed (RuntimeError)."""
+    """Makes FLA's kernels, and ours in hybridtitan.ops, read ``choice``'s folder, or autotune where it has none. It
+    must run before FLA is imported. A process that has already imported FLA cannot be changed (RuntimeError)."""
     if choice.folder is None:
         # a user's FLA_CACHE_MODE or FLA_CONFIG_DIR must not choose for the recipe
         os.environ["FLA_CACHE_MODE"] = "disabled"
@@ -276,7 +284,7 @@ def activate(choice: Choice) -> None:
 
 
 def use(setting: str, device: torch.device) -> Choice:
-    """``choose`` then, on a GPU, ``activate``: what a command that runs kernels does before it loads a model.
+    """Runs ``choose`` and then, on a GPU, ``activate``. A command that runs kernels does this before it loads a model.
     Returns the choice, whose ``message`` the command prints."""
     choice = choose(setting, device)
     if device.type == "cuda":
@@ -294,7 +302,7 @@ def autotuners() -> list:
 
 
 def kernel_name(autotuner) -> str:
-    """The name FLA files an autotuner's configurations under (its @triton.jit function's name)."""
+    """The name FLA files an autotuner's configurations under: its @triton.jit function's name."""
     return getattr(autotuner, "kernel_name", None) or autotuner.base_fn.__name__
 
 
@@ -303,8 +311,8 @@ def _autotuned(autotuner) -> bool:
 
 
 def autotuned_here(choice: Choice) -> list[str]:
-    """The "kernel (module)" of each kernel that met a shape ``choice``'s folder has no configuration for, so that
-    Triton autotuned it in this process (every tuned kernel where there is no folder)."""
+    """The "kernel (module)" of each kernel that Triton autotuned in this process. These are the kernels that met a
+    shape ``choice``'s folder has no configuration for. Without a folder, every tuned kernel is listed."""
     tuned = []
     for a in autotuners():
         if not _autotuned(a) or not a.cache:
@@ -356,7 +364,7 @@ def chosen_configs() -> dict[str, dict[str, dict[str, Any]]]:
 
 
 def _default_config(entries: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The configuration chosen most often (FLA_CACHE_MODE=full falls back to it for a key of another shape)."""
+    """The configuration chosen most often. FLA_CACHE_MODE=full falls back to it for a key of another shape."""
     counts: dict[str, tuple[int, dict]] = {}
     for entry in entries.values():
         text = json.dumps(entry["config"], sort_keys=True)
@@ -365,11 +373,12 @@ def _default_config(entries: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def save_choices(path: str, gpu: dict[str, str], recorded: dict[str, Any]) -> dict[str, int]:
-    """Merges what the autotuner chose in this process into the folder ``path`` (made if missing), a kernel
-    file at a time, atomically, under a lock (the processes of one recording may write at once): a key recorded
-    again takes this run's choice. ``gpu``: ``this_gpu``'s answer for the GPU that ran; ``recorded`` (what ran: a
-    recipe, its overrides) is appended to record.json. A folder of another GPU or other versions is refused
-    (KernelConfigError). Returns kernel name -> its entries in the folder."""
+    """Merges what the autotuner chose in this process into the folder ``path``, making it if missing.
+
+    It writes one kernel file at a time, atomically, under a lock, because the processes of one recording may write at
+    once. A key recorded again takes this run's choice. ``gpu`` is ``this_gpu``'s answer for the GPU that ran.
+    ``recorded`` says what ran (a recipe, its overrides) and is appended to record.json. A folder of another GPU or
+    other versions is refused (KernelConfigError). Returns kernel name -> its number of entries in the folder."""
     versions = these_versions()
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
