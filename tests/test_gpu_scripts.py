@@ -74,10 +74,37 @@ def test_cp_check_dry_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     cases = result["cases"]
-    assert result["not_run"] == 0 and len(cases) == 5 * 2 * 2 and all(c["ok"] for c in cases.values()), cases
+    assert result["not_run"] == 0 and len(cases) == 6 * 2 * 2 and all(c["ok"] for c in cases.values()), cases
     assert set(cases["gated_delta_rule zigzag packed"]["worst"]) == {
         "output", "dq", "dk", "dv", "da", "db", "dA_log (summed)", "ddt_bias (summed)"}
     assert all(0 <= e <= 2e-2 for c in cases.values() for e in c["worst"].values()), cases
+
+
+def test_cp_train_check_dry_run(tmp_path):
+    """The trainer's CP check on a CPU: the one-process, CP and resumed runs made and compared, every measure
+    within the bar and written."""
+    out = tmp_path / "cp_train.json"
+    proc = _run(["gpu_harness/checks/cp_train_check.py", "--flavor", "debug_hybrid", "--seq-len", "128", "--steps",
+                 "4", "--folder", str(tmp_path / "runs"), "--json", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert sorted(result["losses"]) == ["1", "2", "3", "4"]
+    assert [result["losses"][s]["resumed"] is None for s in "1234"] == [True, True, False, False]
+    for key in ("loss_error", "weight_change_error", "resumed_loss_error", "resumed_weight_change_error"):
+        assert 0 <= result[key] <= result["bar"], (key, result[key])
+
+
+def test_cp_attention_dry_run(tmp_path):
+    """The CP attention benchmark on a CPU (both kernels the reference there): a row per shape, degree and kernel,
+    the fused one compared."""
+    out = tmp_path / "cp_attention.json"
+    proc = _run(["gpu_harness/benchmarks/cp_attention.py", "--device", "cpu", "--seq-len", "256", "--repeats", "1",
+                 "--json", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["degree"], r["kernel"]) for r in rows] == [
+        (shape, w, kernel) for shape in ("gqa", "mla") for w in (4, 2) for kernel in ("fused", "reference")]
+    assert all(e == 0 for r in rows if r["kernel"] == "fused" for e in r["vs_reference"].values())
 
 
 def test_bench_dry_run_variants(tmp_path):
