@@ -247,9 +247,9 @@ def attention(q, k, v, scale, cu_seqlens, rows):
 
 def bottom_right_attention(q, k, v, scale):
     """Causal attention of T queries that are the last T positions of S >= T keys, through SDPA's flash kernel
-    (its causal mask is bottom-right aligned where T < S) or, where flash refuses (key and value widths unequal:
-    MLA), the memory-efficient kernel; no [T, S] mask is built. Grouped key/value heads are repeated first, as the
-    flash kernel takes equal heads."""
+    (its causal mask is bottom-right aligned where T < S) or, where flash refuses (key and value widths unequal),
+    the memory-efficient kernel; no [T, S] mask is built. Grouped key/value heads are repeated first: SDPA's flash
+    call for this bias takes equal heads."""
     from torch.nn.attention.bias import causal_lower_right
 
     if k.shape[2] != q.shape[2]:
