@@ -100,7 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="small shapes (sequence 256, vocabulary 8192): a dry run")
     p.add_argument("--only", default="ops,e2e,graphs,fla", help="comma-separated subset of: ops, e2e, graphs, fla")
-    p.add_argument("--json", default=None, help="write every result to this file")
+    p.add_argument("--json", default=None, help="write every result to this file (rewritten after each)")
     p.add_argument("--tol", type=float, default=TOL, help="relative error threshold (default 1e-2)")
     p.add_argument("--e2e-flavors", default=",".join(E2E_FLAVORS))
     p.add_argument("--fla-models", default=None,
@@ -125,14 +125,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class Results:
-    """Collects rows, prints each as it comes, and keeps going past failures."""
+    """Collects rows, prints each as it comes, and keeps going past failures. With ``json_path`` the rows so far
+    are written after each one, so a run stopped by its time box keeps what it measured."""
 
-    def __init__(self, verbose: bool):
+    def __init__(self, verbose: bool, json_path: str | None = None, header: dict | None = None):
         self.rows: list[dict] = []
         self.verbose = verbose
+        self.json_path, self.header = json_path, header or {}
+
+    def write(self) -> None:
+        if self.json_path:
+            write_json(self.json_path, {**self.header, "results": self.rows})
 
     def add(self, row: dict) -> dict:
         self.rows.append(row)
+        self.write()
         status = row["status"]
         extra = f"  {row.get('error', '')}" if status != "PASS" else ""
         extra += f"  ({row['detail']})" if row.get("detail") else ""
@@ -398,6 +405,7 @@ def run_op_case(res: Results, c: OpCase, device, seed, tol) -> None:
              "status": "PASS" if ok else "FAIL", "out_err": out_err,
              "worst_grad": worst, "worst_grad_err": grad_errs.get(worst) if worst else None,
              "grad_errs": grad_errs, "seconds": time.perf_counter() - t0,
+             "detail": f"out {out_err:.2e}" + (f", worst d{worst} {grad_errs[worst]:.2e}" if worst else ""),
              **({} if ok else {"error": "non-finite values" if not finite else
                                 f"relative error over {tol:g}"})})
 
@@ -773,7 +781,7 @@ def main(argv=None) -> int:
     print(f"gpu_check: device {device} ({info.get('gpu') or info.get('cpu')}), torch {info['torch']}, triton "
           f"{info['triton']}, fla {info['fla']}, transformers {info['transformers']}; tol {args.tol:g}"
           f"{' [tiny]' if args.tiny else ''}", flush=True)
-    res = Results(args.verbose)
+    res = Results(args.verbose, args.json, {"versions": info, "argv": sys.argv, "tol": args.tol, "tiny": args.tiny})
     t0 = time.perf_counter()
     for section, fn in (("ops", check_ops), ("e2e", check_e2e), ("graphs", check_graphs), ("fla", check_fla)):
         if section in args.only:
@@ -787,8 +795,7 @@ def main(argv=None) -> int:
     print(f"total {time.perf_counter() - t0:.1f} s")
     record_kernel_configs(args.record_kernel_configs, device, "gpu_check")
     if args.json:
-        write_json(args.json, {"versions": info, "argv": sys.argv, "tol": args.tol, "tiny": args.tiny,
-                               "results": res.rows})
+        res.write()
         print(f"wrote {args.json}")
     return 1 if res.failed else 0
 
