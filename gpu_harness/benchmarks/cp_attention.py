@@ -28,7 +28,7 @@ if HARNESS not in sys.path:
 
 import torch  # noqa: E402
 
-from common import is_oom, rel_err  # noqa: E402  (puts the checkout on sys.path)
+from common import Timer, is_oom, rel_err  # noqa: E402  (puts the checkout on sys.path)
 from hybridtitan.ops import KernelConfig, Kernels  # noqa: E402
 from hybridtitan.ops import context_parallel as cp  # noqa: E402
 
@@ -52,19 +52,9 @@ def measure(kernels, shard, q, k, v, cotangent, repeats: int, device) -> dict:
     out, grads = run(kernels, shard, q, k, v, cotangent)  # the warm-up
     times = []
     for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+        with Timer(device) as timer:
             run(kernels, shard, q, k, v, cotangent)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            import time
-
-            t0 = time.perf_counter()
-            run(kernels, shard, q, k, v, cotangent)
-            times.append(1e3 * (time.perf_counter() - t0))
+        times.append(1e3 * timer.seconds)
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 30 if cuda else None
     return {"ms": statistics.median(times), "peak_gib": peak, "out": out, "grads": grads}
 

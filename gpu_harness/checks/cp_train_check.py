@@ -51,13 +51,9 @@ def train(folder: str, common: list[str], *, cp: bool, timeout: float) -> None:
 
 
 def losses(folder: str) -> dict[int, float]:
-    out = {}
-    with open(os.path.join(folder, "metrics.jsonl")) as f:
-        for line in f:
-            r = json.loads(line)
-            if "loss" in r:
-                out[r["step"]] = r["loss"]
-    return out
+    from hybridtitan.plot import load_run
+
+    return {r["step"]: r["loss"] for r in load_run(folder).records if "loss" in r}
 
 
 def weights(folder: str, step: int) -> dict[str, torch.Tensor]:
