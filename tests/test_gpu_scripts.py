@@ -55,6 +55,44 @@ def test_gpu_check_dry_run(tmp_path):
     assert all(r["status"] == "PASS" for r in e2e)
 
 
+def test_source_corpus_is_the_installed_sources_in_hash_order(tmp_path):
+    """float8_check.sh's corpus: JSON lines of this interpreter's site-packages sources, every document once, in
+    the order of their hashes, validation apart, within the size asked for; a second run writes the same files."""
+    import hashlib
+
+    for out in (tmp_path / "a", tmp_path / "b"):
+        proc = _run(["gpu_harness/source_corpus.py", str(out), "--megabytes", "2"])
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    train = [json.loads(line)["text"] for line in (tmp_path / "a" / "train.jsonl").read_text().splitlines()]
+    validation = [json.loads(line)["text"] for line in (tmp_path / "a" / "validation.jsonl").read_text().splitlines()]
+    digests = [hashlib.sha256(t.encode()).hexdigest() for t in train]
+    assert len(train) > 10 and digests == sorted(set(digests))
+    assert not set(train) & set(validation)
+    assert 1e6 < sum(len(t.encode()) for t in train + validation) <= 2e6
+    assert all(int(hashlib.sha256(t.encode()).hexdigest(), 16) % 100 == 0 for t in validation)
+    for name in ("train.jsonl", "validation.jsonl"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+def test_float8_loss_table_places_float8_against_the_bf16_seeds(tmp_path):
+    """float8_losses.py: the mean of each run's last 50 losses; a float8 run inside the bf16 seeds' range, or its
+    distance from the nearer end; a run short of its steps is incomplete."""
+    report = _import("float8_losses", "checks").report
+
+    def write(run, final):
+        with open(tmp_path / f"float8_loss_{run}.jsonl", "w") as f:
+            for step in range(1, 301 if run != "rowwise:1" else 120):
+                f.write(json.dumps({"step": step, "loss": 10.0 if step <= 250 else final}) + "\n")
+
+    for run, final in (("bf16:1", 2.0), ("bf16:2", 2.2), ("tensorwise:1", 2.31), ("rowwise:1", 2.1)):
+        write(run, final)
+    lines = report(str(tmp_path), 300, ["bf16:1", "bf16:2", "tensorwise:1", "rowwise:1"])
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in lines[2:]}
+    assert "range 2.0000-2.2000" in rows["bf16:1"]
+    assert "| 2.3100 | +5.00% outside the range |" in rows["tensorwise:1"]
+    assert "incomplete" in rows["rowwise:1"]
+
+
 def test_export_check_dry_run(tmp_path):
     """The exports' GPU check on a CPU (both sides the PyTorch forms): an export made, loaded through transformers,
     its logits, greedy decoding of a left-padded batch and bfloat16 checked."""
