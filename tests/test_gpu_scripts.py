@@ -93,6 +93,17 @@ def test_float8_loss_table_places_float8_against_the_bf16_seeds(tmp_path):
     assert "incomplete" in rows["rowwise:1"]
 
 
+def test_gpu_check_runs_the_op_cases_asked_for(tmp_path):
+    """--ops picks op cases by a word of their name (a GPU call spent on the changed ops only)."""
+    out = tmp_path / "gpu_check.json"
+    proc = _run(["gpu_harness/checks/gpu_check.py", "--device", "cpu", "--tiny", "--only", "ops", "--ops",
+                 "rms_norm compiled", "--json", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert sorted((r["name"], r["status"]) for r in results) == [
+        ("add_rms_norm compiled", "PASS"), ("rms_norm compiled", "PASS")]
+
+
 def test_export_check_dry_run(tmp_path):
     """The exports' GPU check on a CPU (both sides the PyTorch forms): an export made, loaded through transformers,
     its logits, greedy decoding of a left-padded batch and bfloat16 checked."""

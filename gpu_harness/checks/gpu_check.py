@@ -3,6 +3,7 @@ graphs, and against FLA's own Hugging Face classes.
 
     python gpu_harness/checks/gpu_check.py                       # on the GPU: every check, about 1-3 minutes warm
     python gpu_harness/checks/gpu_check.py --only ops,fla --json $OUT/gpu_check.json
+    python gpu_harness/checks/gpu_check.py --only ops,e2e --ops simple_gla,conv --e2e-flavors debug_mamba2
     python gpu_harness/checks/gpu_check.py --device cpu --tiny   # dry run on a CPU: the same code paths, small shapes
 
 ops  every op of ``hybridtitan.ops.Kernels`` with bf16 inputs on the GPU, under the kernel configuration the
@@ -102,6 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--only", default="ops,e2e,graphs,fla", help="comma-separated subset of: ops, e2e, graphs, fla")
     p.add_argument("--json", default=None, help="write every result to this file (rewritten after each)")
     p.add_argument("--tol", type=float, default=TOL, help="relative error threshold (default 1e-2)")
+    p.add_argument("--ops", default=None, metavar="NAMES",
+                   help="ops section: only the cases whose op name contains one of these comma-separated words")
     p.add_argument("--e2e-flavors", default=",".join(E2E_FLAVORS))
     p.add_argument("--fla-models", default=None,
                    help="pure GDN/KDA configs for the FLA check (default: debug_gdn,debug_kda and, unless --tiny, "
@@ -414,7 +417,10 @@ def check_ops(res: Results, args, device) -> None:
     print(f"\n== ops: {device} bf16 ({'FLA' if device.type == 'cuda' else 'reference'} kernels) vs float32 "
           "reference kernels", flush=True)
     sh = Shapes(args.tiny)
+    words = [w.strip() for w in args.ops.split(",") if w.strip()] if args.ops else None
     for n, c in enumerate(op_cases(sh, device)):
+        if words and not any(w in c.op for w in words):
+            continue  # the seed stays the case's own: n counts every case
         try:
             run_op_case(res, c, device, args.seed + n, args.tol)
         except Exception as e:  # noqa: BLE001 - report and go on
