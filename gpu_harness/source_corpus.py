@@ -30,7 +30,7 @@ def source_files() -> list[pathlib.Path]:
 
 
 def documents(megabytes: float) -> list[tuple[str, str]]:
-    seen, docs = set(), []
+    docs = {}  # digest -> text: each text once
     for path in source_files():
         try:
             size = path.stat().st_size
@@ -39,13 +39,9 @@ def documents(megabytes: float) -> list[tuple[str, str]]:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
             continue
-        digest = hashlib.sha256(text.encode()).hexdigest()
-        if digest not in seen:
-            seen.add(digest)
-            docs.append((digest, text))
-    docs.sort()
+        docs.setdefault(hashlib.sha256(text.encode()).hexdigest(), text)
     kept, total = [], 0
-    for digest, text in docs:
+    for digest, text in sorted(docs.items()):
         total += len(text.encode())
         if total > megabytes * 1e6:
             break

@@ -76,13 +76,14 @@ def test_source_corpus_is_the_installed_sources_in_hash_order(tmp_path):
 
 def test_float8_loss_table_places_float8_against_the_bf16_seeds(tmp_path):
     """float8_losses.py: the mean of each run's last 50 losses; a float8 run inside the bf16 seeds' range, or its
-    distance from the nearer end; a run short of its steps is incomplete."""
+    distance from the nearer end; a run short of its steps is incomplete; a line cut short is passed over."""
     report = _import("float8_losses", "checks").report
 
     def write(run, final):
         with open(tmp_path / f"float8_loss_{run}.jsonl", "w") as f:
             for step in range(1, 301 if run != "rowwise:1" else 120):
                 f.write(json.dumps({"step": step, "loss": 10.0 if step <= 250 else final}) + "\n")
+            f.write('{"step": 301, "lo')  # a line cut short by the run's time box
 
     for run, final in (("bf16:1", 2.0), ("bf16:2", 2.2), ("tensorwise:1", 2.31), ("rowwise:1", 2.1)):
         write(run, final)

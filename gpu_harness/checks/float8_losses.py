@@ -6,27 +6,28 @@ RUN being precision:seed, and each float8 run's mean over the last 50 steps agai
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
+
+from hybridtitan.plot import load_run
 
 LAST = 50  # the steps averaged at the end
 
 
 def losses(out: str, run: str) -> dict[int, float]:
+    """step -> loss, read by the package's metrics.jsonl reader (a line cut short by a time box is passed over)."""
     path = os.path.join(out, f"float8_loss_{run}.jsonl")
     if not os.path.exists(path):
         return {}
-    with open(path) as f:
-        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+    return {r["step"]: r["loss"] for r in load_run(path).records if "loss" in r}
 
 
 def report(out: str, steps: int, runs: list[str]) -> list[str]:
     means, lines = {}, ["| run | steps | loss at 1 | at 100 | at 250 | mean of the last 50 | against bf16 |",
                         "| --- | --- | --- | --- | --- | --- | --- |"]
-    for run in runs:
-        loss = losses(out, run)
+    by_run = {run: losses(out, run) for run in runs}
+    for run, loss in by_run.items():
         if max(loss, default=0) < steps:
             lines.append(f"| {run} | {max(loss, default=0)} | incomplete | | | | |")
             continue
@@ -36,7 +37,7 @@ def report(out: str, steps: int, runs: list[str]) -> list[str]:
     for run in runs:
         if run not in means:
             continue
-        loss = losses(out, run)
+        loss = by_run[run]
         at = [f"{loss[s]:.4f}" if s in loss else "-" for s in (1, 100, 250)]
         if run.startswith("bf16:") or low is None:
             where = "" if low is None else f"range {low:.4f}-{high:.4f}"
