@@ -4,6 +4,7 @@ read from its metrics), with debug flavors and small shapes, so that the scripts
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import subprocess
@@ -261,6 +262,23 @@ def test_trainer_speed_cases():
     assert case.overrides == {"compile.components": "norm,swiglu", "training.seq_len": "8192"}
     with pytest.raises(ValueError, match="not key=value"):
         _import("trainer_speed", "benchmarks").parse_case("gdn_300M:training.seq_len")
+
+
+def test_trainer_speed_runs_the_recipes_flavor():
+    """A case names a recipe: one named for its length (gdn_1B_8k.toml, flavor gdn_1B) runs the flavor it names,
+    or its debug stand-in on a CPU; a case's model.flavor and --recipe's case name come first."""
+    speed = _import("trainer_speed", "benchmarks")
+
+    def flavor(spec, device="cuda", recipe=None):
+        args = argparse.Namespace(device=device, recipe=recipe, log_freq=None, steps=3)
+        case = speed.parse_case(spec)
+        path = speed.recipe_for(args, case, str(REPO))
+        return speed.trainer_settings(args, case, 1, "/tmp/dump", path)["model.flavor"]
+
+    assert flavor("gdn_1B_8k") == "gdn_1B"
+    assert flavor("gdn_1B_8k", device="cpu") == "debug_gdn"
+    assert flavor("gdn_1B_8k:model.flavor=gdn_300M") == "gdn_300M"
+    assert flavor("kda_300M", recipe=str(REPO / "train_configs" / "gdn_300M.toml")) == "kda_300M"
 
 
 def test_trainer_speed_dry_run(tmp_path):

@@ -8,13 +8,14 @@ metrics it logs.
         --json $OUT/s.json
     python gpu_harness/benchmarks/trainer_speed.py debug_hybrid --device cpu --steps 3 --warmup 1   # dry run on a CPU
 
-A case is FLAVOR[:key=value,...]: the recipe train_configs/FLAVOR.toml (or --recipe) with the trainer's keys
-overridden (``training.seq_len=8192``; a value may hold commas: ``compile.components=norm,swiglu``). Each run is
-the trainer itself, torchrun --standalone --nproc_per_node 1 (or plain python), on one GPU, with --data.source
-mock (no data work: the step alone; a case may name another source and its keys), --steps steps logged at the
-recipe's metrics.log_freq (or --log-freq), no checkpoints, no TensorBoard, and one micro-batch per step (the
-global batch is the local one, unless the case sets training.global_batch_size). Everything else is the recipe's:
-kernels, torch.compile, activation checkpointing, precision.
+A case is NAME[:key=value,...]: the recipe train_configs/NAME.toml and the flavor it names (or --recipe with the
+flavor NAME) with the trainer's keys overridden (``training.seq_len=8192``; a value may hold commas:
+``compile.components=norm,swiglu``). Each run is the trainer itself, torchrun --standalone --nproc_per_node 1
+(or plain python), on one GPU, with --data.source mock (no data work: the step alone; a case may name another
+source and its keys), --steps steps logged at the recipe's metrics.log_freq (or --log-freq), no checkpoints, no
+TensorBoard, and one micro-batch per step (the global batch is the local one, unless the case sets
+training.global_batch_size). Everything else is the recipe's: kernels, torch.compile, activation checkpointing,
+precision.
 
 From DUMP/metrics.jsonl, over the log windows after --warmup (compilation and autotuning come first): the median
 tokens/s per device and step time, the peak memory (allocated and reserved), the MFU the trainer logs (against
@@ -220,8 +221,10 @@ def trainer_settings(args, case: Case, batch: int, dump: str, recipe: str) -> di
     if "eval" in sections:
         settings["eval.tasks"] = ""  # a comma-separated list: empty is none
     settings.update(case.overrides)
-    flavor = TINY_FLAVOR.get(case.flavor, case.flavor) if args.device == "cpu" else case.flavor
-    settings["model.flavor"] = flavor
+    # a recipe named for its data or length (gdn_1B_8k) runs the flavor it names; --recipe runs the case's
+    flavor = case.overrides.get("model.flavor") or (case.flavor if args.recipe else None)
+    flavor = flavor or sections.get("model", {}).get("flavor") or case.flavor
+    settings["model.flavor"] = TINY_FLAVOR.get(flavor, flavor) if args.device == "cpu" else flavor
     if args.device == "cpu":
         settings.update(CPU_SETTINGS)
     settings["training.local_batch_size"] = str(batch)
