@@ -11,13 +11,15 @@
 #          bf16 runs' range (their spread from three seeds)
 # Usage: OUT=results bash gpu_harness/checks/float8_check.sh [speed] [loss]   (default: both), from the repository's root
 # Time boxes (seconds): F8_SPEED_S (default 420), F8_LOSS_S (default 300 per run).
+# It needs torchao; on the lent GPU machine it comes in the bundle: bash ../shared/gpu/prepare.sh torchao==0.18.0
 set -uo pipefail
 OUT=${OUT:-gpu_results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 parts=${*:-speed loss}
 F8="model.converters=quantize.linear.float8,quantize.linear.float8.recipe_name"
-python -c "import torch, torchao; print('torch', torch.__version__, 'torchao', torchao.__version__)"
+python -c "import torch, torchao; print('torch', torch.__version__, 'torchao', torchao.__version__)" || {
+  echo "float8_check.sh: needs torch and torchao (pip install torchao; see the usage above)" >&2; exit 1; }
 
 if [[ $parts == *speed* ]]; then
   cases=()
